@@ -129,6 +129,31 @@ class FedLFConfig(_Section):
     pass
 
 
+class FedFaConfig(_Section):
+    """FedFa (Huang et al. 2020/2022, SPEC §7): beta weighs participation frequency against
+    training accuracy (alpha = 1 - beta); gamma_s is the server momentum, gamma_c the clients'
+    local SGD momentum."""
+
+    beta: float = Field(0.5, ge=0.0, le=1.0)
+    gamma_s: float = Field(0.5, ge=0.0, lt=1.0)
+    gamma_c: float = Field(0.5, ge=0.0, lt=1.0)
+
+
+class DittoConfig(_Section):
+    """Ditto (Li et al., ICML 2021, SPEC §7): lam pulls each personal model towards the global
+    one."""
+
+    lam: float = Field(0.1, ge=0.0)
+
+
+class FedMDFGConfig(_Section):
+    """FedMDFG (Pan et al., AAAI 2023, SPEC §7): theta is the angle in degrees between the loss
+    vector and 1 above which the fair guidance joins; s bounds the line search (2^s .. 0.5^s)."""
+
+    theta: float = Field(11.25, gt=0.0, lt=90.0)
+    s: int = Field(5, ge=0, le=20)
+
+
 class UGAConfig(_Section):
     """UGA (Yao et al. 2019, SPEC §6): server step size, and an optional cap on the number of
     clients whose local training is traced at once (the memory budget caps it anyway)."""
@@ -174,6 +199,9 @@ class Config(_Section):
     afl: AFLConfig = Field(default_factory=AFLConfig)
     fedmgda_plus: FedMGDAPlusConfig = Field(default_factory=FedMGDAPlusConfig)
     fedlf: FedLFConfig = Field(default_factory=FedLFConfig)
+    fedfa: FedFaConfig = Field(default_factory=FedFaConfig)
+    ditto: DittoConfig = Field(default_factory=DittoConfig)
+    fedmdfg: FedMDFGConfig = Field(default_factory=FedMDFGConfig)
     mfairfl: MFairFLConfig = Field(default_factory=MFairFLConfig)
     uga: UGAConfig = Field(default_factory=UGAConfig)
     fedmeta: FedMetaConfig = Field(default_factory=FedMetaConfig)

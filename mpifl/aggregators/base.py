@@ -42,7 +42,12 @@ class RoundUpdates:
         num_samples: (m,) int64 tensor on ``updates.device``: training samples per client.
         lr: client learning rate of this round (finite, > 0).
         layers: the layer map, one ``slice`` of the flat vector per layer in model order, or None.
-        stats: optional extra per-client columns, each a tensor with leading dimension m.
+        stats: optional extra per-client columns, each a tensor with leading dimension m
+            (e.g. ``train_accuracy`` (m,) for FedFa, ``client_state`` (m, s) for Ditto's
+            personal models, ``constraints`` (m, A) for mFairFL).
+        loss_at: optional evaluation-only probe: ``loss_at(step)`` returns the (m,) float32
+            mean training losses of these clients at ``w^t - step`` (step (d,) like a returned
+            step), asking the clients without training them (FedMDFG's line search).
 
     Numpy arrays and lists are accepted for every array field and converted on construction.
 
@@ -59,6 +64,7 @@ class RoundUpdates:
     lr: float
     layers: list[slice] | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss_at: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.round = _index(self.round, "round")
