@@ -1,7 +1,8 @@
 """How the server reaches its clients: in this process (world size 1) or on MPI worker ranks.
 
-Both backends give the server loop the same two calls, so :mod:`mpifl.server` does not know
-where clients run. Timings and byte counts come back with the results for /rounds.
+Both backends give the server loop the same calls (train, losses, evaluate, stop), so
+:mod:`mpifl.server` does not know where clients run. Timings, byte counts and peak memory come
+back with the results for /rounds.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpifl.comm import MPITransport, split_by_samples
+from mpifl.comm import EvalReply, MPITransport, peak_rss_bytes, split_by_samples
 
 
 @dataclass
 class TrainResult:
     updates: torch.Tensor  # (m, d) float32, u_k = w - w_k, rows in client-id order
     losses: torch.Tensor  # (m,) float32, global model's loss before training
+    stats: dict[str, torch.Tensor]  # name -> (m,) or (m, width) float32 (trainer's Columns)
     time_broadcast: float  # seconds
     time_train: float  # seconds, slowest rank
     time_gather: float  # seconds spent waiting beyond the slowest training
     bytes_moved: int
+    peak_rss_server: float  # bytes, rank 0
+    peak_rss_worker: float  # bytes, largest over the worker ranks (rank 0 in one process)
 
 
 def group_setup(fed, device: torch.device) -> tuple[torch.Tensor, int] | None:
@@ -46,6 +50,22 @@ def evaluate(trainer, w: torch.Tensor, idx, groups) -> tuple[np.ndarray, np.ndar
     return acc, loss, counts.reshape(len(idx), -1)
 
 
+def split_stats(columns, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Cut gathered (m, S) statistics rows into the named columns ((m,) when the width is 1)."""
+    out, at = {}, 0
+    for name, width in columns.stats:
+        col = rows[:, at:at + width]
+        out[name] = col[:, 0] if width == 1 else col
+        at += width
+    return out
+
+
+def stats_rows(columns, stats: dict[str, torch.Tensor], m: int) -> torch.Tensor:
+    """Inverse of :func:`split_stats`: one (m, S) float32 tensor in ``columns.stats`` order."""
+    parts = [stats[name].reshape(m, width).float() for name, width in columns.stats]
+    return torch.cat(parts, dim=1) if parts else torch.empty(m, 0)
+
+
 class LocalClients:
     """World size 1: the server trains and evaluates the clients itself.
 
@@ -58,16 +78,28 @@ class LocalClients:
         self.trainer, self.fed = trainer, fed
         self.groups = group_setup(fed, device)
 
-    def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor) -> TrainResult:
+    def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
+              inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
         t0 = time.perf_counter()
         idx = [self.fed.train_indices(k) for k in client_ids]
-        updates, losses = self.trainer.train(w, rnd, lr, client_ids, idx)
-        return TrainResult(updates, losses, 0.0, time.perf_counter() - t0, 0.0, 0)
+        updates, losses, stats = self.trainer.run_round(w, rnd, lr, client_ids, idx, inputs, state)
+        cols = self.trainer.columns
+        stats = split_stats(cols, stats_rows(cols, stats, len(client_ids)))
+        rss = float(peak_rss_bytes())
+        return TrainResult(updates, losses, stats, 0.0, time.perf_counter() - t0, 0.0, 0, rss, rss)
 
-    def evaluate(self, w: torch.Tensor):
-        """``(accuracy (K,), loss (K,), group counts (K, G*2*3) or None, bytes_moved)``."""
+    def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(m,) float32 mean training losses of the clients at ``w``, and bytes moved (0)."""
+        _, loss = self.trainer.evaluate(w, [self.fed.train_indices(k) for k in client_ids])
+        return torch.from_numpy(loss).float().to(w.device), 0
+
+    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None) -> EvalReply:
+        """All K clients at ``w``, and at their own rows of ``personal`` (K, d) if given."""
         idx = [self.fed.test_indices(k) for k in range(self.fed.num_clients)]
-        return (*evaluate(self.trainer, w, idx, self.groups), 0)
+        reply = EvalReply(*evaluate(self.trainer, w, idx, self.groups))
+        if personal is not None:
+            reply.personal_accuracy, reply.personal_loss = self.trainer.evaluate_each(personal, idx)
+        return reply
 
     def stop(self, code: int = 0) -> None:
         pass
@@ -88,20 +120,32 @@ class RemoteClients:
         self._eval_counts = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
         self._width = stats_width(group_setup(fed, torch.device("cpu")))
 
-    def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor) -> TrainResult:
+    def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
+              inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
         t0 = time.perf_counter()
-        updates, losses, seconds, nbytes, t_bcast = self.transport.request_train(
-            rnd, lr, client_ids, w.detach().cpu().numpy(), bounds)
-        waited = time.perf_counter() - t0 - t_bcast
-        slowest = float(seconds[1:].max())
-        return TrainResult(
-            torch.from_numpy(updates).to(self.device), torch.from_numpy(losses).to(self.device),
-            t_bcast, slowest, max(0.0, waited - slowest), nbytes)
+        rep = self.transport.request_train(
+            rnd, lr, client_ids, w.detach().cpu().numpy(), bounds, inputs,
+            None if state is None else state.detach().cpu().numpy())
+        waited = time.perf_counter() - t0 - rep.time_broadcast
+        slowest = float(rep.seconds[1:].max())
+        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        stats = split_stats(self.transport.columns, None if rep.stats is None else to(rep.stats))
+        return TrainResult(to(rep.updates), to(rep.losses), stats, rep.time_broadcast, slowest,
+                           max(0.0, waited - slowest), rep.bytes_moved, float(rep.peak_rss[0]),
+                           float(rep.peak_rss[1:].max()))
 
-    def evaluate(self, w: torch.Tensor):
-        """``(accuracy (K,), loss (K,), group counts (K, G*2*3) or None, bytes_moved)``."""
-        return self.transport.request_eval(w.detach().cpu().numpy(), self._eval_counts, self._width)
+    def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(m,) float32 mean training losses of the clients at ``w`` (a LOSSES request)."""
+        bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
+        loss, nbytes = self.transport.request_losses(client_ids, w.detach().cpu().numpy(), bounds)
+        return torch.from_numpy(loss).to(self.device), nbytes
+
+    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None) -> EvalReply:
+        """All K clients at ``w``, and at their own rows of ``personal`` (K, d) if given."""
+        return self.transport.request_eval(
+            w.detach().cpu().numpy(), self._eval_counts, self._width,
+            None if personal is None else personal.detach().cpu().numpy())
 
     def stop(self, code: int = 0) -> None:
         self.transport.stop(code)

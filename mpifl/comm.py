@@ -1,16 +1,24 @@
 """MPI transport: the round protocol on flat numpy buffers (no pickle on the hot path).
 
 Every request from rank 0 starts with a ``Bcast`` of a small float64 header
-``[command, round, lr, m]``, then, depending on the command:
+``[command, round, lr, m, flag]``, then, depending on the command:
 
-* ``TRAIN``: ``Bcast`` of the selected client ids (m,) int64 and of the global parameters (d,)
-  float32; each worker trains its contiguous block of the ids (:func:`split_by_samples`, computed
-  identically on every rank, so no assignment message is needed); ``Gatherv`` of the updates
-  (m, d) float32 and of the pre-training losses (m,) float32 into rank 0, already in id order;
-  ``Gather`` of each rank's training seconds.
+* ``TRAIN``: ``Bcast`` of the selected client ids (m,) int64, of the global parameters (d,)
+  float32 and, when the trainer takes them (:class:`mpifl.clients.Columns`), of the round inputs
+  (A,) float64 (mFairFL's multipliers); ``Scatterv`` of per-client state rows (m, s) float32
+  (Ditto's personal models) when the trainer keeps such state. Each worker trains its contiguous
+  block of the ids (:func:`split_by_samples`, computed identically on every rank, so no
+  assignment message is needed); ``Gatherv`` of the updates (m, d) float32, the pre-training
+  losses (m,) float32 and the statistics rows (m, S) float32 into rank 0, already in id order;
+  ``Gather`` of each rank's training seconds and peak resident memory.
+* ``LOSSES``: ``Bcast`` of client ids and of candidate parameters; ``Gatherv`` of those
+  clients' mean training losses (m,) float32 — an evaluation-only request (FedMDFG's line
+  search), same blocks as TRAIN.
 * ``EVAL``: ``Bcast`` of the parameters; each worker evaluates its static share of all K clients;
   ``Gatherv`` of accuracies and losses (K,) float64 and, on data with a sensitive attribute,
-  of per-client group counts (K, G*2*3) float64.
+  of per-client group counts (K, G*2*3) float64. With ``flag`` = 1, ``Scatterv`` of per-client
+  parameters (K, d) float32 follows and their accuracies and losses (Ditto's personal models)
+  are gathered too.
 * ``STOP``: workers leave their loop and exit with the status carried in the header.
 
 Only upper-case (buffer) mpi4py calls are used in rounds. mpi4py is imported lazily so that
@@ -20,13 +28,16 @@ one-process runs work without an MPI library.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-STOP, TRAIN, EVAL = 0, 1, 2
-HEADER_LEN = 4
+from mpifl.clients.trainer import Columns
+
+STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
+HEADER_LEN = 5
 
 
 def world():
@@ -77,15 +88,48 @@ def bcast_text(comm, text: str | None) -> str:
     return buf.tobytes().decode()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 @dataclass
 class TrainRequest:
-    """What a worker receives for one TRAIN or EVAL command."""
+    """What a worker receives for one request."""
 
     command: int
     round: int
     lr: float
     client_ids: np.ndarray  # (m,) int64, all selected clients (empty for EVAL)
-    w: np.ndarray  # (d,) float32 global parameters
+    w: np.ndarray  # (d,) float32 global (or candidate) parameters
+    inputs: np.ndarray | None = None  # (A,) float64 round inputs (TRAIN)
+    state: np.ndarray | None = None  # (m_r, s) float32 state rows of this rank's block (TRAIN)
+    personal: np.ndarray | None = None  # (K_r, d) float32 per-client parameters (EVAL)
+
+
+@dataclass
+class TrainReply:
+    """What rank 0 collects for one TRAIN request (arrays in client-id order)."""
+
+    updates: np.ndarray  # (m, d) float32, a view of a reused buffer
+    losses: np.ndarray  # (m,) float32
+    stats: np.ndarray | None  # (m, S) float32 statistics rows, None when S = 0
+    seconds: np.ndarray  # (size,) float64 training seconds per rank (rank 0: 0)
+    peak_rss: np.ndarray  # (size,) float64 peak resident bytes per rank
+    bytes_moved: int
+    time_broadcast: float  # seconds
+
+
+@dataclass
+class EvalReply:
+    """What rank 0 collects for one EVAL request (per client, (K,) each)."""
+
+    accuracy: np.ndarray
+    loss: np.ndarray
+    counts: np.ndarray | None = None  # (K, width) float64 group counts
+    personal_accuracy: np.ndarray | None = None
+    personal_loss: np.ndarray | None = None
+    bytes_moved: int = 0
 
 
 class MPITransport:
@@ -94,9 +138,10 @@ class MPITransport:
     Args:
         comm: an mpi4py intracommunicator of size >= 2.
         d: number of model parameters.
+        columns: the trainer's per-round extras (the same on every rank, from the config).
     """
 
-    def __init__(self, comm, d: int):
+    def __init__(self, comm, d: int, columns: Columns = Columns()):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -105,17 +150,20 @@ class MPITransport:
         self.size = comm.Get_size()
         self.workers = self.size - 1
         self.d = d
+        self.columns = columns
         self._header = np.zeros(HEADER_LEN, dtype=np.float64)
         self._w = np.empty(d, dtype=np.float32)
+        self._inputs = np.zeros(columns.inputs, dtype=np.float64)
         self._updates = np.empty((0, d), dtype=np.float32)  # grown on demand, reused
 
     # -- helpers ---------------------------------------------------------------------------
-    def _bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0):
+    def _bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
+                      flag: int = 0):
         if self.rank == 0:
-            self._header[:] = (command, rnd, lr, m)
+            self._header[:] = (command, rnd, lr, m, flag)
         self.comm.Bcast([self._header, self.MPI.DOUBLE], root=0)
-        c, r, lr_, m_ = self._header
-        return int(c), int(r), float(lr_), int(m_)
+        c, r, lr_, m_, f = self._header
+        return int(c), int(r), float(lr_), int(m_), int(f)
 
     def _gatherv(self, local: np.ndarray, counts: np.ndarray, out: np.ndarray | None, mpitype):
         """Gather contiguous blocks (rank 0 sends nothing) into ``out`` on rank 0."""
@@ -125,95 +173,174 @@ class MPITransport:
         else:
             self.comm.Gatherv([local, mpitype], None, root=0)
 
+    def _scatterv(self, rows: np.ndarray | None, counts: np.ndarray | None, width: int,
+                  mine: int) -> np.ndarray | None:
+        """Send contiguous row blocks of ``rows`` (n, width) float32 from rank 0; a worker
+        receives its ``mine`` rows."""
+        if self.rank == 0:
+            displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+            self.comm.Scatterv([np.ascontiguousarray(rows, np.float32), counts, displs,
+                                self.MPI.FLOAT], [np.empty(0, np.float32), self.MPI.FLOAT],
+                               root=0)
+            return None
+        out = np.empty((mine, width), dtype=np.float32)
+        self.comm.Scatterv(None, [out, self.MPI.FLOAT], root=0)
+        return out
+
     def _updates_buffer(self, m: int) -> np.ndarray:
         if self._updates.shape[0] < m:
             self._updates = np.empty((m, self.d), dtype=np.float32)
         return self._updates[:m]
 
+    def _bcast_ids_w(self, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        self.comm.Bcast([ids, self.MPI.INT64_T], root=0)
+        if self.rank == 0:
+            self._w[:] = w
+        self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
+        return ids
+
     # -- server side -----------------------------------------------------------------------
     def request_train(self, rnd: int, lr: float, client_ids: np.ndarray, w: np.ndarray,
-                      bounds: np.ndarray):
+                      bounds: np.ndarray, inputs: np.ndarray | None = None,
+                      state: np.ndarray | None = None) -> TrainReply:
         """Rank 0: send a TRAIN request and collect the results.
 
-        Returns:
-            ``(updates (m, d) float32 view of a reused buffer, losses (m,) float32,
-            train_seconds (size,) float64 per rank, bytes_moved int, broadcast_seconds float)``.
+        Args:
+            client_ids: (m,) int64 selected clients, ascending. w: (d,) float32.
+            bounds: (workers + 1,) block bounds from :func:`split_by_samples`.
+            inputs: (columns.inputs,) float64 round inputs (required when columns.inputs > 0).
+            state: (m, columns.state) float32 state rows (required when columns.state > 0).
         """
-        m = len(client_ids)
+        m, cols = len(client_ids), self.columns
         t0 = time.perf_counter()
         self._bcast_header(TRAIN, rnd, lr, m)
-        ids = np.ascontiguousarray(client_ids, dtype=np.int64)
-        self.comm.Bcast([ids, self.MPI.INT64_T], root=0)
-        self._w[:] = w
-        self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
-        t_bcast = time.perf_counter() - t0
+        ids = self._bcast_ids_w(client_ids, w)
+        sent = self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes)
         blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+        if cols.inputs:
+            self._inputs[:] = inputs
+            self.comm.Bcast([self._inputs, self.MPI.DOUBLE], root=0)
+            sent += self.workers * self._inputs.nbytes
+        if cols.state:
+            self._scatterv(state, blocks * cols.state, cols.state, 0)
+            sent += m * cols.state * 4
+        t_bcast = time.perf_counter() - t0
         updates = self._updates_buffer(m)
         self._gatherv(np.empty(0, np.float32), blocks * self.d, updates, self.MPI.FLOAT)
         losses = np.empty(m, dtype=np.float32)
         self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
-        seconds = self._gather_seconds(0.0)
-        sent = self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes)
-        return updates, losses, seconds, sent + updates.nbytes + losses.nbytes, t_bcast
+        stats = None
+        if cols.stats_width:
+            stats = np.empty((m, cols.stats_width), dtype=np.float32)
+            self._gatherv(np.empty(0, np.float32), blocks * cols.stats_width, stats, self.MPI.FLOAT)
+        ranks = self._gather_rank_stats(0.0)
+        received = updates.nbytes + losses.nbytes + (stats.nbytes if stats is not None else 0)
+        return TrainReply(updates, losses, stats, ranks[:, 0], ranks[:, 1], sent + received,
+                          t_bcast)
 
-    def request_eval(self, w: np.ndarray, counts: np.ndarray, width: int = 0):
+    def request_losses(self, client_ids: np.ndarray, w: np.ndarray, bounds: np.ndarray
+                       ) -> tuple[np.ndarray, int]:
+        """Rank 0: the clients' mean training losses at ``w`` (evaluation only, no training).
+
+        Returns:
+            ``(losses (m,) float32 in client-id order, bytes_moved)``.
+        """
+        m = len(client_ids)
+        self._bcast_header(LOSSES, 0, 0.0, m)
+        ids = self._bcast_ids_w(client_ids, w)
+        losses = np.empty(m, dtype=np.float32)
+        blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+        self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
+        return losses, self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes) + losses.nbytes
+
+    def request_eval(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
+                     personal: np.ndarray | None = None) -> EvalReply:
         """Rank 0: evaluate all K clients on the workers.
 
         Args:
             counts: (size,) clients per rank (rank 0 has none), from :func:`split_by_samples`.
             width: extra float64 statistics per client (group counts), 0 for none.
-
-        Returns:
-            ``(accuracy (K,) float64, loss (K,) float64, stats (K, width) float64 or None,
-            bytes_moved int)``.
+            personal: (K, d) float32 per-client parameters to evaluate as well, or None.
         """
         k = int(counts.sum())
-        self._bcast_header(EVAL)
+        self._bcast_header(EVAL, flag=int(personal is not None))
         self._w[:] = w
         self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
-        acc = np.empty(k, dtype=np.float64)
-        loss = np.empty(k, dtype=np.float64)
-        self._gatherv(np.empty(0, np.float64), counts, acc, self.MPI.DOUBLE)
-        self._gatherv(np.empty(0, np.float64), counts, loss, self.MPI.DOUBLE)
-        stats = None
-        if width:
-            stats = np.empty((k, width), dtype=np.float64)
-            self._gatherv(np.empty(0, np.float64), counts * width, stats, self.MPI.DOUBLE)
         sent = self.workers * (self._header.nbytes + self._w.nbytes)
-        return acc, loss, stats, sent + acc.nbytes + loss.nbytes + (stats.nbytes if width else 0)
+        if personal is not None:
+            self._scatterv(personal, counts * self.d, self.d, 0)
+            sent += personal.nbytes
+        reply = EvalReply(self._gather_f64(counts), self._gather_f64(counts))
+        if width:
+            reply.counts = self._gather_f64(counts, width)
+        if personal is not None:
+            reply.personal_accuracy = self._gather_f64(counts)
+            reply.personal_loss = self._gather_f64(counts)
+        reply.bytes_moved = sent + 8 * k * (2 + width + (2 if personal is not None else 0))
+        return reply
 
     def stop(self, code: int = 0) -> None:
         """Rank 0: release the workers; they exit with status ``code``."""
         self._bcast_header(STOP, code)
 
+    def _gather_f64(self, counts: np.ndarray, width: int = 1) -> np.ndarray:
+        k = int(counts.sum())
+        out = np.empty((k, width) if width > 1 else k, dtype=np.float64)
+        self._gatherv(np.empty(0, np.float64), counts * width, out, self.MPI.DOUBLE)
+        return out
 
     # -- worker side -----------------------------------------------------------------------
-    def receive(self) -> TrainRequest:
-        """Worker: wait for the next request from rank 0."""
-        command, rnd, lr, m = self._bcast_header()
-        ids = np.empty(m, dtype=np.int64)
-        if command == TRAIN:
-            self.comm.Bcast([ids, self.MPI.INT64_T], root=0)
-        if command in (TRAIN, EVAL):
-            self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
-        return TrainRequest(command, rnd, lr, ids, self._w)
+    def receive(self, bounds_of=None) -> TrainRequest:
+        """Worker: wait for the next request from rank 0.
 
-    def send_updates(self, updates: np.ndarray, losses: np.ndarray, seconds: float) -> None:
-        """Worker: contribute this rank's block of updates (m_r, d) and losses (m_r,)."""
+        Args:
+            bounds_of: ``bounds_of(command, client_ids) -> int``, the number of rows in this
+                rank's block of a TRAIN (selected clients) or EVAL (all clients) request; needed
+                to receive state rows or per-client parameters.
+        """
+        command, rnd, lr, m, flag = self._bcast_header()
+        ids = np.empty(m, dtype=np.int64)
+        req = TrainRequest(command, rnd, lr, ids, self._w)
+        if command in (TRAIN, LOSSES):
+            self._bcast_ids_w(ids, None)
+        elif command == EVAL:
+            self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
+        if command == TRAIN and self.columns.inputs:
+            self.comm.Bcast([self._inputs, self.MPI.DOUBLE], root=0)
+            req.inputs = self._inputs
+        if command == TRAIN and self.columns.state:
+            req.state = self._scatterv(None, None, self.columns.state, bounds_of(command, ids))
+        if command == EVAL and flag:
+            req.personal = self._scatterv(None, None, self.d, bounds_of(command, ids))
+        return req
+
+    def send_updates(self, updates: np.ndarray, losses: np.ndarray, stats: np.ndarray | None,
+                     seconds: float) -> None:
+        """Worker: contribute this rank's block of updates (m_r, d), losses (m_r,) and
+        statistics rows (m_r, S)."""
         self._gatherv(np.ascontiguousarray(updates, dtype=np.float32), None, None, self.MPI.FLOAT)
         self._gatherv(np.ascontiguousarray(losses, dtype=np.float32), None, None, self.MPI.FLOAT)
-        self._gather_seconds(seconds)
+        if self.columns.stats_width:
+            self._gatherv(np.ascontiguousarray(stats, dtype=np.float32), None, None, self.MPI.FLOAT)
+        self._gather_rank_stats(seconds)
 
-    def send_eval(self, accuracy: np.ndarray, loss: np.ndarray, stats: np.ndarray | None) -> None:
-        """Worker: contribute this rank's share of accuracies, losses and (if any) statistics."""
-        self._gatherv(np.ascontiguousarray(accuracy, np.float64), None, None, self.MPI.DOUBLE)
-        self._gatherv(np.ascontiguousarray(loss, np.float64), None, None, self.MPI.DOUBLE)
-        if stats is not None:
-            self._gatherv(np.ascontiguousarray(stats, np.float64), None, None, self.MPI.DOUBLE)
+    def send_losses(self, losses: np.ndarray) -> None:
+        """Worker: contribute this rank's block of losses (m_r,) for a LOSSES request."""
+        self._gatherv(np.ascontiguousarray(losses, dtype=np.float32), None, None, self.MPI.FLOAT)
 
-    def _gather_seconds(self, seconds: float) -> np.ndarray:
-        send = np.array([seconds], dtype=np.float64)
-        recv = np.empty(self.size, dtype=np.float64) if self.rank == 0 else None
+    def send_eval(self, accuracy: np.ndarray, loss: np.ndarray, stats: np.ndarray | None,
+                  personal: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Worker: contribute this rank's share of accuracies, losses, (if any) statistics and
+        (for a personal evaluation) the personal accuracies and losses."""
+        arrays = [accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
+        for a in arrays:
+            self._gatherv(np.ascontiguousarray(a, np.float64), None, None, self.MPI.DOUBLE)
+
+    def _gather_rank_stats(self, seconds: float) -> np.ndarray | None:
+        """(size, 2) float64 on rank 0: every rank's [seconds, peak resident bytes]."""
+        send = np.array([seconds, peak_rss_bytes()], dtype=np.float64)
+        recv = np.empty((self.size, 2), dtype=np.float64) if self.rank == 0 else None
         self.comm.Gather([send, self.MPI.DOUBLE], [recv, self.MPI.DOUBLE] if recv is not None else None,
                          root=0)
         return recv

@@ -9,6 +9,7 @@ from rank 0, instead of a hang.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import shutil
 from dataclasses import dataclass
@@ -96,16 +97,32 @@ def build_parts(cfg: Config) -> Parts:
     return Parts(fed, model, layout, layout.flatten_module(model).detach().clone())
 
 
-def make_trainer(cfg: Config, parts: Parts, device: torch.device):
+def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
+    """The trainer class of the selected rule and its keyword options: the client section,
+    overridden by the rule's own (e.g. FedFa's client momentum gamma_c)."""
     c = cfg.client
+    rule = aggregators.rule(cfg.server.algorithm)
+    options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
+                   weight_decay=c.weight_decay, seed=cfg.run.seed,
+                   memory_budget_mb=c.memory_budget_mb)
+    options.update(rule.client_options(**cfg.algorithm_params()))
+    return TRAINERS[rule.trainer_kind], options
+
+
+def trainer_columns(cfg: Config, parts: Parts):
+    """The :class:`mpifl.clients.Columns` of the run's trainer, without building it (rank 0)."""
+    cls, options = _trainer_options(cfg, parts)
+    groups = group_setup(parts.fed, torch.device("cpu"))
+    return cls.columns_for(parts.layout.d, groups[1] if groups else 0, **options)
+
+
+def make_trainer(cfg: Config, parts: Parts, device: torch.device):
+    cls, options = _trainer_options(cfg, parts)
     x = torch.from_numpy(parts.fed.x).to(device)
     y = torch.from_numpy(parts.fed.y).to(device)
-    rule = aggregators.rule(cfg.server.algorithm)
-    options = rule.client_options(**cfg.algorithm_params())
-    trainer = TRAINERS[rule.trainer_kind](parts.model, parts.layout, x, y, epochs=c.epochs,
-                          batch_size=c.batch_size, momentum=c.momentum,
-                          weight_decay=c.weight_decay, seed=cfg.run.seed,
-                          memory_budget_mb=c.memory_budget_mb, device=device, **options)
+    if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
+        options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
+    trainer = cls(parts.model, parts.layout, x, y, device=device, **options)
     return NaNClients(trainer, cfg.faults.nan_clients) if cfg.faults.nan_clients else trainer
 
 
@@ -210,7 +227,7 @@ def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: 
     if size == 1:
         clients = LocalClients(make_trainer(cfg, parts, device), parts.fed, device)
         return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
-    transport = MPITransport(comm, parts.layout.d)
+    transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts))
     try:
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)
@@ -241,6 +258,7 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
     writer = ResultsWriter(out, cfg.to_json(), world_size=size, num_clients=parts.fed.num_clients,
                            num_layers=len(parts.layout.layers), algorithm=cfg.server.algorithm,
                            group_metrics=group_setup(parts.fed, device) is not None,
+                           personal_metrics=aggregator.personal_models,
                            history=start.ckpt.history if start.ckpt else None)
     try:
         meta = (MetaStep.from_config(cfg, parts.fed, parts.model, parts.layout, device)

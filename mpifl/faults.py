@@ -35,7 +35,7 @@ class NaNClients:
     """Wraps a trainer so that the listed clients' updates come back as NaN.
 
     Args:
-        trainer: anything with ``train(w, round, lr, client_ids, sample_idx)`` and ``evaluate``.
+        trainer: a :class:`mpifl.clients.VmapTrainer` (``train``/``run_round``, ``evaluate``).
         nan_clients: client ids whose updates are replaced by NaN after training.
     """
 
@@ -45,9 +45,17 @@ class NaNClients:
 
     def train(self, w, round, lr, client_ids, sample_idx):
         updates, losses = self.trainer.train(w, round, lr, client_ids, sample_idx)
+        return self._poison(updates, client_ids), losses
+
+    def run_round(self, w, round, lr, client_ids, sample_idx, inputs=None, state=None):
+        updates, losses, stats = self.trainer.run_round(w, round, lr, client_ids, sample_idx,
+                                                        inputs, state)
+        return self._poison(updates, client_ids), losses, stats
+
+    def _poison(self, updates, client_ids):
         bad = torch.as_tensor(np.isin(client_ids, self.nan_clients), device=updates.device)
         updates[bad] = float("nan")
-        return updates, losses
+        return updates
 
     def __getattr__(self, name):  # evaluate, evaluate_groups, ...: the wrapped trainer's
         return getattr(self.trainer, name)

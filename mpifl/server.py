@@ -101,7 +101,9 @@ class Server:
             self.writer.append_round(row)
             stopping = self.stop is not None and self.stop.requested
             if stopping or rnd + 1 == rounds or (every and (rnd + 1) % every == 0):
-                self.checkpoint(rnd + 1, w)
+                t0 = time.perf_counter()
+                if self.checkpoint(rnd + 1, w):
+                    self.writer.set_last_round("time_checkpoint", time.perf_counter() - t0)
             if stopping and rnd + 1 < rounds:
                 log.warning("stop requested (%s): checkpointed after round %d of %d",
                             self.stop.reason, rnd + 1, rounds)
@@ -110,13 +112,14 @@ class Server:
         bar.close()
         return w, True
 
-    def checkpoint(self, rounds_done: int, w: torch.Tensor) -> None:
+    def checkpoint(self, rounds_done: int, w: torch.Tensor) -> bool:
         """Write a checkpoint of the state after ``rounds_done`` rounds (if enabled)."""
         if self.checkpoints is None:
-            return
+            return False
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), self.aggregator.state_dict(),
                           self.writer.history, self.cfg.to_json(), self.world_size, self.checkpoints)
         save(self.checkpoints, ckpt)
+        return True
 
     def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
@@ -128,25 +131,36 @@ class Server:
                "num_clients": 0, "train_loss": float("nan"), "conflicts_model": 0,
                "conflicts_layer": np.zeros(len(self.layers), dtype=np.int64),
                "bytes_moved": 0, "time_broadcast": 0.0, "time_train": 0.0, "time_gather": 0.0,
-               "time_aggregate": 0.0, "time_eval": 0.0}
+               "time_aggregate": 0.0, "time_eval": 0.0, "time_checkpoint": 0.0,
+               "peak_rss_server_mb": 0.0, "peak_rss_worker_mb": 0.0}
         if len(ids) == 0:
             return w, row  # everyone dropped out: the model does not move
-        res = self.clients.train(rnd, lr, ids, w)
+        res = self.clients.train(rnd, lr, ids, w, self.aggregator.round_inputs(),
+                                 self.aggregator.client_state(ids, w))
         row.update(train_loss=float(res.losses.double().mean()), bytes_moved=res.bytes_moved,
                    time_broadcast=res.time_broadcast, time_train=res.time_train,
-                   time_gather=res.time_gather)
+                   time_gather=res.time_gather, peak_rss_server_mb=res.peak_rss_server / 2**20,
+                   peak_rss_worker_mb=res.peak_rss_worker / 2**20)
         t0 = time.perf_counter()
         keep = accepted(res.updates, cfg.server.max_update_norm)
         row["rejected"] = int((~keep).sum())
         if not bool(keep.any()):
             log.warning("round %d: every update was rejected; the model does not move", rnd)
             return w, row
-        updates, keep_np = res.updates, keep.cpu().numpy()
+        updates, keep_np, stats = res.updates, keep.cpu().numpy(), res.stats
         if row["rejected"]:
             updates = updates[keep]
-        r = RoundUpdates(round=rnd, client_ids=ids[keep_np], updates=updates,
-                         losses=res.losses[keep], num_samples=self.fed.num_train[ids[keep_np]],
-                         lr=lr, layers=self.layers)
+            stats = {k: v[keep] for k, v in stats.items()}
+        kept = ids[keep_np]
+
+        def loss_at(step: torch.Tensor) -> torch.Tensor:  # an evaluation-only request
+            losses, nbytes = self.clients.losses(kept, w - step.to(w))
+            row["bytes_moved"] += nbytes
+            return losses.float()
+
+        r = RoundUpdates(round=rnd, client_ids=kept, updates=updates, losses=res.losses[keep],
+                         num_samples=self.fed.num_train[kept], lr=lr, layers=self.layers,
+                         stats=stats, loss_at=loss_at)
         step = self.aggregator.aggregate(r)
         w = w - step
         if self.meta is not None:  # FedMeta (Yao et al. 2019): a step on the server's meta set
@@ -160,12 +174,19 @@ class Server:
 
     def _evaluate(self, rnd: int, w: torch.Tensor) -> tuple[float, dict]:
         t0 = time.perf_counter()
-        acc, loss, counts, _ = self.clients.evaluate(self.aggregator.evaluation_params(w))
+        rep = self.clients.evaluate(self.aggregator.evaluation_params(w),
+                                    self.aggregator.personal_params(w))
+        acc, loss = rep.accuracy, rep.loss
         summary = client_summary(acc, self.fed.num_test)
-        if counts is not None:  # summed over clients: the union of all test data
-            union = counts.sum(axis=0).reshape(-1, 2, 3)
+        if rep.counts is not None:  # summed over clients: the union of all test data
+            union = rep.counts.sum(axis=0).reshape(-1, 2, 3)
             summary.update({f"group/{k}": v for k, v in violations_from_counts(union).items()})
-        self.writer.append_eval(rnd + 1, acc, loss, summary)
+        personal = None
+        if rep.personal_accuracy is not None:  # Ditto: each client's own model
+            personal = (rep.personal_accuracy, rep.personal_loss)
+            summary.update({f"personal/{k}": v for k, v in
+                            client_summary(rep.personal_accuracy, self.fed.num_test).items()})
+        self.writer.append_eval(rnd + 1, acc, loss, summary, personal)
         log.info("round %d/%d: mean acc %.4f, std %.2f pp, worst5 %.4f, best5 %.4f",
                  rnd + 1, self.cfg.run.rounds, summary["mean"], summary["std"],
                  summary["worst5"], summary["best5"])

@@ -13,6 +13,8 @@ Layout (also in the README)::
                                     (percentage points), fair_angle (radians)
     /eval/group/{dp,eo,ap}   (E,)   group-fairness violations on the union of the clients' test
                                     data (only for binary tasks with a sensitive attribute)
+    /eval/personal_accuracy, personal_loss   (E, K)  each client's personal model (Ditto only)
+    /eval/personal/<summary> (E,)   the summaries of the personal accuracies (Ditto only)
     /model/global            (d,)   float32, final global parameters, named_parameters order
     /model/layer_names, layer_start, layer_stop   (L,) the layer map (module -> slice of /model/global)
 
@@ -38,6 +40,8 @@ SCHEMA_VERSION = 1
 
 #: /eval summaries on data with a sensitive attribute: violations on the union of test data.
 GROUP_KEYS = ("group/dp", "group/eo", "group/ap")
+#: /eval summaries of personal models (rules with ``personal_params``, e.g. Ditto).
+PERSONAL_KEYS = tuple(f"personal/{k}" for k in SUMMARY_KEYS)
 
 #: /rounds columns: name -> (dtype, unit/description), written once per round.
 ROUND_COLUMNS: dict[str, tuple[str, str]] = {
@@ -54,7 +58,20 @@ ROUND_COLUMNS: dict[str, tuple[str, str]] = {
     "time_gather": ("f8", "seconds, waiting for updates beyond the slowest training"),
     "time_aggregate": ("f8", "seconds"),
     "time_eval": ("f8", "seconds (0 when the round has no evaluation)"),
+    "time_checkpoint": ("f8", "seconds writing the checkpoint after this round (0: none; also 0 "
+                              "in the checkpoint's own copy of its last row)"),
+    "peak_rss_server_mb": ("f8", "MiB, peak resident memory of rank 0 so far"),
+    "peak_rss_worker_mb": ("f8", "MiB, largest peak resident memory of a worker rank so far "
+                                 "(rank 0 in one process)"),
 }
+
+#: /rounds columns that are measurements of the machine (times, memory), not results: they
+#: differ between an interrupted-and-resumed run and an uninterrupted one.
+MEASURED_COLUMNS = tuple(k for k in ROUND_COLUMNS if k.startswith(("time_", "peak_rss_")))
+
+#: /rounds columns added after schema 1 was first written: zeros when an older checkpoint lacks
+#: them, so its runs still resume.
+_LATER_COLUMNS = ("time_checkpoint", "peak_rss_server_mb", "peak_rss_worker_mb")
 
 #: /rounds columns with one value per model layer: (R, L).
 LAYER_COLUMNS: dict[str, tuple[str, str]] = {
@@ -86,13 +103,18 @@ class MetricHistory:
     Size O(R + E K) numbers: tiny next to the model history an aggregator keeps.
     """
 
-    def __init__(self, num_clients: int, num_layers: int, group_metrics: bool = False) -> None:
+    def __init__(self, num_clients: int, num_layers: int, group_metrics: bool = False,
+                 personal_metrics: bool = False) -> None:
         self.num_clients, self.num_layers = num_clients, num_layers
-        self.summary_keys = SUMMARY_KEYS + (GROUP_KEYS if group_metrics else ())
+        self.personal_metrics = personal_metrics
+        self.summary_keys = (SUMMARY_KEYS + (GROUP_KEYS if group_metrics else ())
+                             + (PERSONAL_KEYS if personal_metrics else ()))
         self.rounds: dict[str, list] = {name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS}}
         self.eval_round: list[int] = []
         self.accuracy: list[np.ndarray] = []
         self.loss: list[np.ndarray] = []
+        self.personal_accuracy: list[np.ndarray] = []
+        self.personal_loss: list[np.ndarray] = []
         self.summary: dict[str, list[float]] = {name: [] for name in self.summary_keys}
 
     def add_round(self, row: dict[str, float | int]) -> None:
@@ -100,10 +122,14 @@ class MetricHistory:
             self.rounds[name].append(row[name])
 
     def add_eval(self, round_done: int, accuracy: np.ndarray, loss: np.ndarray,
-                 summary: dict[str, float]) -> None:
+                 summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> None:
         self.eval_round.append(int(round_done))
         self.accuracy.append(np.asarray(accuracy, dtype=np.float64))
         self.loss.append(np.asarray(loss, dtype=np.float64))
+        if self.personal_metrics:
+            self.personal_accuracy.append(np.asarray(personal[0], dtype=np.float64))
+            self.personal_loss.append(np.asarray(personal[1], dtype=np.float64))
         for name in self.summary_keys:
             self.summary[name].append(float(summary[name]))
 
@@ -115,21 +141,35 @@ class MetricHistory:
             rows = np.asarray(self.rounds[name], dtype=dtype).reshape(-1, self.num_layers)
             g.create_dataset(f"rounds/{name}", data=rows)
         g.create_dataset("eval/round", data=np.asarray(self.eval_round, dtype="i8"))
-        for name, rows in (("client_accuracy", self.accuracy), ("client_loss", self.loss)):
+        for name, rows in self._per_client():
             g.create_dataset(f"eval/{name}", data=np.asarray(rows, dtype="f8").reshape(len(rows), self.num_clients))
         for name in self.summary_keys:
             g.create_dataset(f"eval/{name}", data=np.asarray(self.summary[name], dtype="f8"))
+
+    def _per_client(self) -> list[tuple[str, list[np.ndarray]]]:
+        out = [("client_accuracy", self.accuracy), ("client_loss", self.loss)]
+        if self.personal_metrics:
+            out += [("personal_accuracy", self.personal_accuracy),
+                    ("personal_loss", self.personal_loss)]
+        return out
 
     @classmethod
     def from_group(cls, g: h5py.Group) -> "MetricHistory":
         """Inverse of :meth:`to_group` (raises KeyError if a column is missing)."""
         h = cls(g["eval/client_accuracy"].shape[1], g["rounds/conflicts_layer"].shape[1],
-                group_metrics="eval/group" in g)
+                group_metrics="eval/group" in g, personal_metrics="eval/personal_accuracy" in g)
+        num_rounds = len(g["rounds/round"])
         for name in h.rounds:
+            if name in _LATER_COLUMNS and f"rounds/{name}" not in g:
+                h.rounds[name] = [0.0] * num_rounds
+                continue
             h.rounds[name] = list(g[f"rounds/{name}"][()])
         h.eval_round = g["eval/round"][()].tolist()
         h.accuracy = list(g["eval/client_accuracy"][()])
         h.loss = list(g["eval/client_loss"][()])
+        if h.personal_metrics:
+            h.personal_accuracy = list(g["eval/personal_accuracy"][()])
+            h.personal_loss = list(g["eval/personal_loss"][()])
         for name in h.summary_keys:
             h.summary[name] = g[f"eval/{name}"][()].tolist()
         return h
@@ -149,7 +189,7 @@ class ResultsWriter:
 
     def __init__(self, path: Path, config_json: str, *, world_size: int, num_clients: int,
                  num_layers: int, algorithm: str, group_metrics: bool = False,
-                 history: MetricHistory | None = None):
+                 personal_metrics: bool = False, history: MetricHistory | None = None):
         try:
             self._f = h5py.File(path, "w")
         except OSError as exc:
@@ -172,23 +212,26 @@ class ResultsWriter:
             rounds[name].attrs["unit"] = unit
         ev = self._f.create_group("eval")
         ev.create_dataset("round", (0,), dtype="i8", maxshape=(None,), chunks=(256,))
-        for name in ("client_accuracy", "client_loss"):
+        self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
+        for name, _ in self.history._per_client():
             chunk = (1, max(1, min(num_clients, 65536)))
             ev.create_dataset(name, (0, num_clients), dtype="f8", maxshape=(None, num_clients),
                               chunks=chunk)
-        self.history = MetricHistory(num_clients, num_layers, group_metrics)
         for name in self.history.summary_keys:
             ev.create_dataset(name, (0,), dtype="f8", maxshape=(None,), chunks=(256,))
         ev["client_accuracy"].attrs["unit"] = "fraction in [0, 1]"
         ev["std"].attrs["unit"] = "percentage points"
         ev["fair_angle"].attrs["unit"] = "radians"
         ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
-        old = history or MetricHistory(num_clients, num_layers, group_metrics)
+        old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
         for i in range(len(old.rounds["round"])):
             self.append_round({name: col[i] for name, col in old.rounds.items()}, flush=False)
         for i, rnd in enumerate(old.eval_round):
+            personal = ((old.personal_accuracy[i], old.personal_loss[i])
+                        if personal_metrics else None)
             self.append_eval(rnd, old.accuracy[i], old.loss[i],
-                             {name: old.summary[name][i] for name in old.summary_keys}, flush=False)
+                             {name: old.summary[name][i] for name in old.summary_keys}, personal,
+                             flush=False)
         self._f.flush()
 
     def append_round(self, row: dict[str, float | int], flush: bool = True) -> None:
@@ -199,14 +242,26 @@ class ResultsWriter:
         if flush:
             self._f.flush()
 
+    def set_last_round(self, name: str, value: float) -> None:
+        """Overwrite one column of the last /rounds row (a time known only after the row was
+        written, e.g. the checkpoint's)."""
+        self.history.rounds[name][-1] = value
+        self._f["rounds"][name][-1] = value
+        self._f.flush()
+
     def append_eval(self, round_done: int, accuracy: np.ndarray, loss: np.ndarray,
-                    summary: dict[str, float], flush: bool = True) -> None:
-        """Append one evaluation: (K,) accuracies and losses and their summary."""
-        self.history.add_eval(round_done, accuracy, loss, summary)
+                    summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None,
+                    flush: bool = True) -> None:
+        """Append one evaluation: (K,) accuracies and losses and their summary; ``personal``
+        (accuracy (K,), loss (K,)) of the personal models when the run has them."""
+        self.history.add_eval(round_done, accuracy, loss, summary, personal)
         ev = self._f["eval"]
         _append(ev["round"], round_done)
         _append(ev["client_accuracy"], accuracy)
         _append(ev["client_loss"], loss)
+        if self.history.personal_metrics:
+            _append(ev["personal_accuracy"], personal[0])
+            _append(ev["personal_loss"], personal[1])
         for name in self.history.summary_keys:
             _append(ev[name], summary[name])
         if flush:
@@ -257,7 +312,8 @@ def read_results(path: str | Path) -> dict[str, Any]:
                 )
             rounds = {k: f["rounds"][k][()] for k in f["rounds"]}
             ev = {k: f["eval"][k][()] for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
-            ev.update({f"group/{k}": f["eval/group"][k][()] for k in f.get("eval/group", {})})
+            for sub in ("group", "personal"):
+                ev.update({f"{sub}/{k}": f["eval"][sub][k][()] for k in f["eval"].get(sub, {})})
     except OSError as exc:
         raise OutputError(f"{path}: cannot read as HDF5 ({exc})") from None
     try:

@@ -1,4 +1,4 @@
-"""The loop of every worker rank (rank >= 1): serve TRAIN and EVAL requests until STOP.
+"""The loop of every worker rank (rank >= 1): serve TRAIN, LOSSES and EVAL requests until STOP.
 
 A worker trains its contiguous block of each round's selected clients as one vectorised
 computation, and evaluates a static share of all K clients (blocks by test-set size).
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from mpifl.backends import evaluate, group_setup
-from mpifl.comm import EVAL, STOP, TRAIN, MPITransport, split_by_samples
+from mpifl.backends import evaluate, group_setup, stats_rows
+from mpifl.comm import EVAL, LOSSES, STOP, TRAIN, MPITransport, split_by_samples
 
 
 def serve(transport: MPITransport, trainer, fed, device: torch.device) -> int:
@@ -29,27 +29,53 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device) -> int:
     eval_bounds = split_by_samples(fed.num_test, workers)
     eval_idx = [fed.test_indices(k) for k in range(eval_bounds[block], eval_bounds[block + 1])]
     groups = group_setup(fed, device)
+
+    def mine(client_ids: np.ndarray) -> np.ndarray:
+        bounds = split_by_samples(fed.num_train[client_ids], workers)
+        return client_ids[bounds[block]:bounds[block + 1]]
+
+    def rows_mine(command: int, client_ids: np.ndarray) -> int:
+        return len(mine(client_ids)) if command == TRAIN else len(eval_idx)
+
     while True:
-        req = transport.receive()
+        req = transport.receive(rows_mine)
         if req.command == STOP:
             return req.round
         w = torch.from_numpy(req.w).to(device)
         if req.command == TRAIN:
-            bounds = split_by_samples(fed.num_train[req.client_ids], workers)
-            mine = req.client_ids[bounds[block]:bounds[block + 1]]
+            ids = mine(req.client_ids)
             t0 = time.perf_counter()
-            updates, losses = _train(trainer, fed, w, req.round, req.lr, mine)
-            transport.send_updates(updates, losses, time.perf_counter() - t0)
+            state = None if req.state is None else torch.from_numpy(req.state).to(device)
+            out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
+            transport.send_updates(*out, time.perf_counter() - t0)
+        elif req.command == LOSSES:
+            ids = mine(req.client_ids)
+            loss = (trainer.evaluate(w, [fed.train_indices(k) for k in ids])[1] if len(ids)
+                    else np.empty(0))
+            transport.send_losses(loss)
         elif req.command == EVAL:
-            if eval_idx:
-                transport.send_eval(*evaluate(trainer, w, eval_idx, groups))
-            else:  # more ranks than clients: an empty share
-                width = 0 if groups is None else groups[1] * 6
-                transport.send_eval(np.empty(0), np.empty(0), np.empty((0, width)) if width else None)
+            transport.send_eval(*_evaluate(trainer, w, eval_idx, groups, req.personal, device))
 
 
-def _train(trainer, fed, w, rnd, lr, ids):
+def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
+    cols = trainer.columns
     if len(ids) == 0:
-        return np.empty((0, w.numel()), np.float32), np.empty(0, np.float32)
-    updates, losses = trainer.train(w, rnd, lr, ids, [fed.train_indices(k) for k in ids])
-    return updates.cpu().numpy(), losses.cpu().numpy()
+        return (np.empty((0, w.numel()), np.float32), np.empty(0, np.float32),
+                np.empty((0, cols.stats_width), np.float32))
+    updates, losses, stats = trainer.run_round(w, rnd, lr, ids, [fed.train_indices(k) for k in ids],
+                                               inputs, state)
+    return (updates.cpu().numpy(), losses.cpu().numpy(),
+            stats_rows(cols, stats, len(ids)).cpu().numpy())
+
+
+def _evaluate(trainer, w, eval_idx, groups, personal, device):
+    if not eval_idx:  # more ranks than clients: an empty share
+        width = 0 if groups is None else groups[1] * 6
+        empty = (np.empty(0), np.empty(0))
+        return (*empty, np.empty((0, width)) if width else None,
+                empty if personal is not None else None)
+    acc, loss, counts = evaluate(trainer, w, eval_idx, groups)
+    own = None
+    if personal is not None:
+        own = trainer.evaluate_each(torch.from_numpy(personal).to(device), eval_idx)
+    return acc, loss, counts, own

@@ -13,7 +13,8 @@ from mpifl.store import MetricHistory
 
 ROW = {"round": 0, "num_clients": 3, "train_loss": 1.5, "lr": 0.1, "conflicts_model": 1,
        "dropped": 0, "rejected": 0, "bytes_moved": 10, "time_broadcast": 0.1, "time_train": 0.2,
-       "time_gather": 0.0, "time_aggregate": 0.01, "time_eval": 0.0,
+       "time_gather": 0.0, "time_aggregate": 0.01, "time_eval": 0.0, "time_checkpoint": 0.02,
+       "peak_rss_server_mb": 512.0, "peak_rss_worker_mb": 600.0,
        "conflicts_layer": np.array([1, 0])}
 SUMMARY = {"mean": 0.5, "weighted_mean": 0.5, "std": 10.0, "worst5": 0.1, "best5": 0.9, "cf": 0.3,
            "fair_angle": 0.2}

@@ -178,6 +178,8 @@ class Aggregator:
     trainer_kind: ClassVar[str] = "sgd"
     #: True for rules followed by FedMeta's server-side meta step (:mod:`mpifl.meta`).
     meta_step: ClassVar[bool] = False
+    #: True for rules that keep a personal model per client (:meth:`personal_params`).
+    personal_models: ClassVar[bool] = False
 
     def __init__(self, *, seed: int = 0) -> None:
         self.seed = check_seed(seed)
@@ -187,6 +189,24 @@ class Aggregator:
         """Local-training options this rule needs from its hyper-parameters (keyword arguments
         of :class:`mpifl.clients.VmapTrainer`, e.g. FedProx's ``prox_mu``); default none."""
         return {}
+
+    def round_inputs(self) -> np.ndarray | None:
+        """Float64 vector broadcast to every client with this round's TRAIN request (mFairFL's
+        multipliers, length ``Columns.inputs`` of the rule's trainer); default None."""
+        return None
+
+    def client_state(self, client_ids: np.ndarray, w: torch.Tensor) -> torch.Tensor | None:
+        """Per-client state rows (m, s) float32 sent with the selected clients of this round
+        (Ditto's personal models, ``Columns.state`` wide), given the round's global parameters
+        w (d,); default None. The trainer's new rows come back in
+        ``RoundUpdates.stats["client_state"]``."""
+        return None
+
+    def personal_params(self, w: torch.Tensor) -> torch.Tensor | None:
+        """(K, d) per-client parameters evaluated beside the global ones w (d,) at every
+        evaluation (Ditto's personal models: ``/eval/personal_accuracy``), for rules with
+        :attr:`personal_models`; default None."""
+        return None
 
     def observe_params(self, w: torch.Tensor) -> None:
         """Called by the server with the global parameters (d,) after every round, also when

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,6 +48,33 @@ def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int) -> np
     return rng.permutation(int(n)).astype(np.int64, copy=False)
 
 
+@dataclass(frozen=True)
+class Columns:
+    """What a trainer exchanges with the server per round besides updates and losses.
+
+    Both ends of the MPI protocol derive it from the config (rank 0 without building a
+    trainer, through ``columns_for``), so no sizes travel at run time.
+
+    Attributes:
+        inputs: length of the float64 vector broadcast to every client with a TRAIN request
+            (mFairFL's multipliers, (A,)); 0 for none.
+        state: float32 width of the per-client state row the server sends with each selected
+            client (Ditto's personal model, d); 0 for none.
+        stats: ``(name, width)`` of the float32 per-client result columns, in order (e.g.
+            ``("train_accuracy", 1)``); they reach the aggregator as ``RoundUpdates.stats[name]``,
+            (m,) when the width is 1, else (m, width).
+    """
+
+    inputs: int = 0
+    state: int = 0
+    stats: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def stats_width(self) -> int:
+        """Float32 values per client in the gathered statistics row."""
+        return sum(width for _, width in self.stats)
+
+
 class VmapTrainer:
     """Local SGD for many clients at once, plus batched per-client loss and accuracy.
 
@@ -64,6 +92,8 @@ class VmapTrainer:
         seed: experiment seed, keys :func:`batch_order`.
         prox_mu: FedProx's proximal coefficient mu >= 0 (Li et al., MLSys 2020): the local loss
             gets ``+ (mu/2) ||w_k - w||^2`` towards the round's global parameters w.
+        report_accuracy: also report each client's training accuracy of w, measured with the
+            pre-training loss, as the statistic ``train_accuracy`` (FedFa's ACC_k).
         memory_budget_mb: clients are trained in chunks whose estimated working memory
             (stacked parameters, gradients, momentum, padded minibatch activations, samples)
             stays below this many MiB; at least one client per chunk.
@@ -89,6 +119,7 @@ class VmapTrainer:
         memory_budget_mb: float = 1024.0,
         device: str | torch.device = "cpu",
         prox_mu: float = 0.0,
+        report_accuracy: bool = False,
     ):
         _check_model(model, layout)
         if x.shape[0] != y.shape[0] or y.dim() != 1:
@@ -98,6 +129,8 @@ class VmapTrainer:
             raise ValueError("need epochs >= 1, batch_size >= 0, momentum >= 0, "
                              "weight_decay >= 0, prox_mu >= 0 and memory_budget_mb > 0")
         self.prox_mu = float(prox_mu)
+        self.report_accuracy = bool(report_accuracy)
+        self.columns = self.columns_for(layout.d, report_accuracy=report_accuracy)
         self.model, self.layout = model, layout
         self.x, self.y = x, y
         self.epochs, self.batch_size = int(epochs), int(batch_size)
@@ -110,6 +143,37 @@ class VmapTrainer:
         self._step_grad = vmap(grad(self._minibatch_loss))
 
     # ------------------------------------------------------------------ public API
+
+    @classmethod
+    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+        """The :class:`Columns` a trainer built with these keyword ``options`` exchanges.
+
+        Args:
+            d: parameters of the model. num_groups: sensitive groups G of the data (0: none).
+            options: the trainer's own keyword arguments (others are ignored).
+        """
+        return Columns(stats=(("train_accuracy", 1),) if options.get("report_accuracy") else ())
+
+    @torch.no_grad()
+    def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                  sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """One round of the selected clients' work, with the extras of :attr:`columns`.
+
+        Args:
+            w, round, lr, client_ids, sample_idx: as in :meth:`train`.
+            inputs: ``(columns.inputs,)`` float64 round inputs, or None when there are none.
+            state: ``(m, columns.state)`` float32 per-client state rows, or None.
+
+        Returns:
+            ``updates`` (m, d) and ``losses`` (m,) as in :meth:`train`, and ``stats``: name ->
+            float32 tensor (m, width) for every column of ``columns.stats``.
+        """
+        if self.report_accuracy:
+            updates, losses, acc = self._train(w, round, lr, client_ids, sample_idx)
+            return updates, losses, {"train_accuracy": acc.float().view(-1, 1)}
+        updates, losses = self.train(w, round, lr, client_ids, sample_idx)
+        return updates, losses, {}
 
     @torch.no_grad()
     def train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
@@ -131,19 +195,34 @@ class VmapTrainer:
         Raises:
             ValueError: wrong shapes, or a client without samples.
         """
+        updates, losses, _ = self._train(w, round, lr, client_ids, sample_idx)
+        return updates, losses
+
+    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+               prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`train` plus the training accuracies of w (m,) float64; local SGD starts from
+        ``start`` (m, d) instead of w when given (Ditto's personal models), with the proximal
+        term towards w of coefficient ``prox_mu`` (default: the trainer's)."""
         w = self._check_w(w)
+        client_ids, sizes = self._check_clients(client_ids, sample_idx)
+        losses, acc = self._client_stats(w, sample_idx)
+        updates = torch.empty(len(sizes), self.layout.d, device=self.device)
+        for chunk in self.plan_chunks(sizes):
+            pos = torch.as_tensor(chunk, device=self.device)
+            w_chunk = self._train_chunk(w, round, lr, client_ids[chunk], [sample_idx[i] for i in chunk],
+                                        start=None if start is None else start[pos], prox_mu=prox_mu)
+            updates[pos] = w_chunk.neg_().add_(w)  # w - w_k
+        return updates, losses.float(), acc
+
+    @staticmethod
+    def _check_clients(client_ids, sample_idx) -> tuple[np.ndarray, np.ndarray]:
         client_ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
         if len(client_ids) != len(sample_idx):
             raise ValueError(f"{len(client_ids)} client ids but {len(sample_idx)} sample index arrays")
         sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
         if (sizes == 0).any():
             raise ValueError(f"clients {client_ids[sizes == 0].tolist()} have no training samples")
-        losses, _ = self._client_stats(w, sample_idx)
-        updates = torch.empty(len(sizes), self.layout.d, device=self.device)
-        for chunk in self.plan_chunks(sizes):
-            w_chunk = self._train_chunk(w, round, lr, client_ids[chunk], [sample_idx[i] for i in chunk])
-            updates[torch.as_tensor(chunk, device=self.device)] = w_chunk.neg_().add_(w)  # w - w_k
-        return updates, losses.float()
+        return client_ids, sizes
 
     @torch.no_grad()
     def evaluate(self, w: Tensor, sample_idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -251,6 +330,15 @@ class VmapTrainer:
         rows = np.where(rows >= 0, rows, starts[:, None, None])
         return rows, weights, steps
 
+    #: True when :meth:`_batch_extras` adds per-sample inputs to the minibatch loss.
+    _has_extras = False
+
+    def _batch_extras(self, sample_rows: np.ndarray) -> tuple[Tensor, ...]:
+        """Extra per-sample tensors (m, Bp, ...) of one step's minibatches, passed to
+        :meth:`_minibatch_loss` between ``yb`` and ``wb``; ``sample_rows`` (m, Bp) int64 are
+        indices into the sample store (e.g. mFairFL's sensitive attribute). None by default."""
+        return ()
+
     def _minibatch_loss(self, params: dict[str, Tensor], xb: Tensor, yb: Tensor, wb: Tensor) -> Tensor:
         """Mean cross-entropy over the real samples of one client's padded minibatch."""
         out = functional_call(self.model, params, (xb,))
@@ -258,8 +346,14 @@ class VmapTrainer:
         return (ce * wb).sum() / wb.sum().clamp(min=1.0)
 
     def _train_chunk(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
-                     sample_idx: Sequence[np.ndarray]) -> Tensor:
+                     sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
+                     prox_mu: float | None = None) -> Tensor:
         """Local SGD of a chunk of clients; returns their final parameters ``(m, d)``.
+
+        Training starts from w, or from ``start`` (m, d) when given; the proximal term (if
+        ``prox_mu``, default the trainer's, is > 0) always pulls towards the round's w.
+        Subclasses change the local objective through :meth:`_minibatch_loss` and
+        :meth:`_batch_extras`.
 
         The stacked parameters live in one ``(m, d)`` buffer and are updated in place through
         per-tensor views (``_foreach`` ops, like ``torch.optim.SGD``): fresh large allocations
@@ -271,21 +365,25 @@ class VmapTrainer:
         if self.x.device == self.device:
             # The store is already here: index it directly, one copy per step instead of two.
             xs, ys, rows_np = self.x, self.y, store_rows[rows_np]
+            sample_rows = rows_np
         else:  # move the chunk's samples once, then index on the device
             xs, ys = self._gather(store_rows)
+            sample_rows = store_rows[rows_np] if self._has_extras else None
         rows = torch.as_tensor(rows_np, device=self.device)
         weights = torch.as_tensor(weights_np, device=self.device)
         steps = torch.as_tensor(steps_np, device=self.device)
-        flat = w.expand(len(sizes), -1).clone()
+        flat = (w.expand(len(sizes), -1) if start is None else start.to(w)).clone()
         params = self.layout.unflatten(flat)  # views into flat, (m, *shape) each
         views = list(params.values())
         anchor = list(self.layout.unflatten(w).values())  # the round's global params, per tensor
+        mu = self.prox_mu if prox_mu is None else float(prox_mu)
         buf: list[Tensor] | None = None
         for t in range(rows.shape[1]):
             rt = rows[:, t]
-            grads = list(self._step_grad(params, xs[rt], ys[rt], weights[:, t]).values())
-            if self.prox_mu:  # gradient of (mu/2)||w_k - w||^2 joins the loss gradient
-                torch._foreach_add_(grads, torch._foreach_sub(views, anchor), alpha=self.prox_mu)
+            extras = self._batch_extras(sample_rows[:, t]) if self._has_extras else ()
+            grads = list(self._step_grad(params, xs[rt], ys[rt], *extras, weights[:, t]).values())
+            if mu:  # gradient of (mu/2)||w_k - w||^2 joins the loss gradient
+                torch._foreach_add_(grads, torch._foreach_sub(views, anchor), alpha=mu)
             masked = bool(steps_np.min() <= t)
             active = (steps > t).to(flat.dtype)
             self._sgd_step(views, grads, buf, lr, active if masked else None)

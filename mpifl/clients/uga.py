@@ -143,13 +143,7 @@ class UGATrainer(VmapTrainer):
             ValueError: wrong shapes, or a client without samples.
         """
         w = self._check_w(w)
-        client_ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
-        if len(client_ids) != len(sample_idx):
-            raise ValueError(f"{len(client_ids)} client ids but {len(sample_idx)} sample index "
-                             f"arrays")
-        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
-        if (sizes == 0).any():
-            raise ValueError(f"clients {client_ids[sizes == 0].tolist()} have no training samples")
+        client_ids, sizes = self._check_clients(client_ids, sample_idx)
         with torch.no_grad():
             losses, _ = self._client_stats(w, sample_idx)
         grads = torch.empty(len(sizes), self.layout.d, dtype=w.dtype, device=self.device)
