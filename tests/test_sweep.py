@@ -98,26 +98,32 @@ def test_smoke_sweep_expands_to_four_two_rank_runs():
         assert config["data"]["num_clients"] == 20 and config["run"]["seed"] == p.params["run.seed"]
 
 
-def test_table2_sweep_expands_even_with_algorithms_not_implemented():
+def test_table2_sweep_expands_and_every_point_is_valid():
     sweep = load_sweep(ROOT / "jobs" / "sweep-fedfv-table2.toml")
     points = sweep.points()
     per_algo: dict[str, int] = {}
     for p in points:
         per_algo[p.params["server.algorithm"]] = per_algo.get(p.params["server.algorithm"], 0) + 1
-    assert per_algo == {"fedavg": 5, "qfedavg": 25, "fedfa": 5, "fedmgda_plus": 25, "fedfv": 60}
-    assert len({p.id for p in points}) == 120
+    assert per_algo == {"fedavg": 5, "qfedavg": 25, "fedfa": 20, "fedmgda_plus": 25, "fedfv": 60}
+    assert len({p.id for p in points}) == 135
     fedfv = [p for p in points if p.params["server.algorithm"] == "fedfv"]
     assert {(p.params["fedfv.alpha"], p.params["fedfv.tau"]) for p in fedfv} == {
         (a, t) for a in (0.1, 0.2, 0.5) for t in (0, 1, 3, 10)}
-    for p in points:  # valid, or invalid only because the algorithm is not there yet
+    for p in points:
         config, reason = check(sweep, p)
-        if reason is not None:
-            assert "is not implemented in this mpifl" in reason, (p.id, reason)
-        else:
-            assert config["run"]["rounds"] == 2000 and config["data"]["dataset"] == "cifar10"
-    assert "not implemented" in check(sweep, [p for p in points if "fedfa" in p.id][0])[1]
+        assert reason is None, (p.id, reason)
+        assert config["run"]["rounds"] == 2000 and config["data"]["dataset"] == "cifar10"
     out = mpifl("sweep", "jobs/sweep-fedfv-table2.toml", "--dry-run").stdout
-    assert "120 runs" in out
+    assert "135 runs" in out
+
+
+@pytest.mark.parametrize("name", ["sweep-fedfv-table1.toml", "sweep-fedlf-baselines.toml"])
+def test_baseline_grids_expand_to_valid_runs(name):
+    sweep = load_sweep(ROOT / "jobs" / name)
+    points = sweep.points()
+    assert len({p.id for p in points}) == len(points) > 50
+    for p in points:
+        assert check(sweep, p)[1] is None, p.id
 
 
 def test_only_selects_points(tmp_path):
@@ -148,7 +154,7 @@ BAD = {
                   "fedfv.alpha"),
     "unknown config key": ("[sweep]\nbase = 'base.toml'\n[grid]\n'client.lrr' = [0.1]",
                            "did you mean 'client.lr'"),
-    "no algorithm": ("[sweep]\nbase = 'base.toml'\n[algorithms.fedfa]", "'fedfa' is not implemented"),
+    "no algorithm": ("[sweep]\nbase = 'base.toml'\n[algorithms.fedbn]", "'fedbn' is not implemented"),
 }
 
 

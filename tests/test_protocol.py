@@ -1,0 +1,82 @@
+"""The round protocol's extras on real ranks: evaluation-only LOSSES requests (FedMDFG's line
+search), per-client statistics rows (FedFa's training accuracy), and the phase columns every
+run records (checkpoint time, peak memory). One process and mpiexec -n 3 must agree."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from mpifl.aggregators import available
+from tests.helpers import write_fmnist_job
+from tests.test_run import run_mpifl
+
+JOB = """
+[run]
+name = "protocol"
+seed = 5
+rounds = 4
+eval_every = 2
+checkpoint_every = 2
+[data]
+dataset = "fashion_mnist"
+partition = "dirichlet"
+dirichlet_alpha = 0.5
+num_clients = 10
+[model]
+name = "mlp"
+hidden = [16]
+[client]
+epochs = 1
+batch_size = 0
+lr = 0.1
+[server]
+algorithm = "fedmdfg"
+clients_per_round = 4
+"""
+
+RULES = [r for r in ("fedmdfg", "fedfa") if r in available()]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    return write_fmnist_job(tmp_path_factory, "protocol.toml", JOB)
+
+
+@pytest.fixture(scope="module", params=RULES)
+def runs(request, job, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    out = {n: folder / f"n{n}.h5" for n in (1, 3)}
+    for n, path in out.items():
+        run_mpifl(n, job, path, "--set", f"server.algorithm={request.param}", "--no-progress")
+    return request.param, out
+
+
+def read(path):
+    with h5py.File(path, "r") as f:
+        return {k: f[k][()] for k in ("eval/client_accuracy", "model/global", "rounds/train_loss",
+                                      "rounds/bytes_moved", "rounds/time_checkpoint",
+                                      "rounds/peak_rss_server_mb", "rounds/peak_rss_worker_mb")}
+
+
+def test_one_and_three_ranks_agree(runs):
+    _, out = runs
+    one, three = read(out[1]), read(out[3])
+    np.testing.assert_array_equal(three["eval/client_accuracy"], one["eval/client_accuracy"])
+    np.testing.assert_allclose(three["model/global"], one["model/global"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(three["rounds/train_loss"], one["rounds/train_loss"], rtol=1e-6)
+
+
+def test_phase_columns_are_recorded(runs):
+    name, out = runs
+    r = read(out[3])
+    d = len(r["model/global"])
+    # checkpoints after rounds 2 and 4 (checkpoint_every = 2): timed; other rounds: none
+    assert np.all(r["rounds/time_checkpoint"][[1, 3]] > 0)
+    assert np.all(r["rounds/time_checkpoint"][[0, 2]] == 0)
+    assert np.all(r["rounds/peak_rss_server_mb"] > 50) and np.all(r["rounds/peak_rss_worker_mb"] > 50)
+    # every round: w to 2 workers, 4 updates back (float32); FedMDFG's line search sends at
+    # least one candidate w to both workers on top (a LOSSES request)
+    floor = (2 + 4) * d * 4
+    assert np.all(r["rounds/bytes_moved"] >= (floor + 2 * d * 4 if name == "fedmdfg" else floor))
