@@ -63,18 +63,24 @@ def internal_coefficients(G: np.ndarray, po: np.ndarray, kept: np.ndarray) -> np
         kept: (m,) bool, clients that keep their original update (their rows of C stay 0).
 
     Every client only ever projects against the original targets, so advancing all clients
-    together for each target j in PO is the direct loop reordered. O(m^3) flops, no d.
+    together for each target j in PO is the direct loop reordered. O(m^3) flops, no d. The
+    columns are kept in PO order, so the targets already used are a contiguous prefix and each
+    step reads only those (half the work of a full ``C @ col`` on average, in cache-friendly
+    slices).
     """
     m = G.shape[0]
-    C = np.zeros((m, m))
+    Gp = np.ascontiguousarray(G[np.ix_(po, po)])  # Gp[a, b] = G[po[a], po[b]]
+    rows_g = np.ascontiguousarray(G[:, po])       # rows_g[i, n] = G[i, po[n]]
+    Cp = np.zeros((m, m))                         # Cp[:, n] = C[:, po[n]]
     free = ~kept
-    for j in po:
-        col = G[:, j]
-        dots = col - C @ col                     # g_i . u_j for every i at once
+    for n, j in enumerate(po):
+        dots = rows_g[:, n] - Cp[:, :n] @ Gp[:n, n]   # g_i . u_j for every i at once
         hit = free & (dots < 0)
         hit[j] = False
         if hit.any():                            # a zero u_j gives dots == 0 exactly: no hit
-            C[hit, j] += dots[hit] / G[j, j]
+            Cp[hit, n] += dots[hit] / G[j, j]
+    C = np.empty((m, m))
+    C[:, po] = Cp
     return C
 
 
