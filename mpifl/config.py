@@ -141,9 +141,10 @@ class FedFaConfig(_Section):
 
 class DittoConfig(_Section):
     """Ditto (Li et al., ICML 2021, SPEC §7): lam pulls each personal model towards the global
-    one."""
+    one; the global model is aggregated as FedAvg with ``weighting``."""
 
     lam: float = Field(0.1, ge=0.0)
+    weighting: Literal["samples", "uniform"] = "samples"
 
 
 class FedMDFGConfig(_Section):
@@ -392,6 +393,9 @@ def _check_consistency(cfg: Config) -> None:
             f"({len(d.classes)}), got {d.num_clients}"
         )
     _check_tabular(d)
+    if s.algorithm == "mfairfl" and d.dataset not in TABULAR:
+        raise ConfigError(f"data.dataset: mfairfl's group-fairness constraints need a binary task "
+                          f"with a sensitive attribute ({', '.join(TABULAR)}), got '{d.dataset}'")
     meta = s.meta or getattr(aggregators.rule(s.algorithm), "meta_step", False)
     if meta and cfg.fedmeta.meta_sampling == "group_balanced" and d.dataset not in TABULAR:
         raise ConfigError(f"fedmeta.meta_sampling: 'group_balanced' needs a dataset with a "

@@ -248,8 +248,12 @@ def _all(comm, flag: bool | None) -> bool:
 
 def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, progress) -> int:
     params = cfg.algorithm_params()
-    if aggregators.rule(cfg.server.algorithm).needs_num_clients:
+    rule = aggregators.rule(cfg.server.algorithm)
+    if rule.needs_num_clients:
         params["num_clients"] = parts.fed.num_clients
+    if getattr(rule, "needs_num_groups", False):  # mFairFL: its multipliers are per group
+        groups = group_setup(parts.fed, torch.device("cpu"))
+        params["num_groups"] = groups[1] if groups else 0
     aggregator = aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
     w, first = parts.w0, 0
     if start.ckpt is not None:

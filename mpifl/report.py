@@ -1,6 +1,7 @@
 """``mpifl report``: the fairness table of one or more runs at their last evaluation, side by side.
 
-Rows are metrics (mean accuracy, std in percentage points, worst/best 5%, FedLF's fair angle,
+Rows are metrics (mean accuracy, std in percentage points, worst/best 5%, Ditto's personal-model
+mean and worst 5%, FedLF's fair angle,
 mFairFL's client-fairness violation and, on data with a sensitive attribute, the DP/EO/AP
 violations) and, when K <= 10, every client's accuracy; columns are runs.
 """
@@ -44,6 +45,9 @@ def summarise(path: str | Path) -> dict[str, Any]:
     for key in ("dp", "eo", "ap"):
         if f"group/{key}" in ev:
             row[key] = float(ev[f"group/{key}"][-1])
+    for key in ("mean", "worst5"):  # Ditto: each client's personal model
+        if f"personal/{key}" in ev:
+            row[f"personal_{key}"] = 100 * float(ev[f"personal/{key}"][-1])
     if acc.size <= PER_CLIENT_MAX:
         row["client_accuracy"] = [100 * float(a) for a in acc]
     return row
@@ -53,7 +57,9 @@ _ROWS = [
     ("algorithm", "algorithm", "{}"), ("status", "status", "{}"), ("round", "rounds", "{}"),
     ("clients", "clients", "{}"), ("mean", "mean acc (%)", "{:.2f}"),
     ("std", "std (pp)", "{:.2f}"), ("worst5", "worst 5% (%)", "{:.2f}"),
-    ("best5", "best 5% (%)", "{:.2f}"), ("fair_angle", "fair angle (rad)", "{:.4f}"),
+    ("best5", "best 5% (%)", "{:.2f}"), ("personal_mean", "personal mean acc (%)", "{:.2f}"),
+    ("personal_worst5", "personal worst 5% (%)", "{:.2f}"),
+    ("fair_angle", "fair angle (rad)", "{:.4f}"),
     ("cf", "CF violation (pp)", "{:.2f}"), ("dp", "DP violation", "{:.4f}"),
     ("eo", "EO violation", "{:.4f}"), ("ap", "AP violation", "{:.4f}"),
 ]

@@ -106,11 +106,25 @@ def test_bench_cli_prints_ratio_and_json(capsys):
     assert len(err) == 1 and "algorithms must be registered names" in err[0]
 
 
-def test_algorithm_without_its_client_side_training_is_refused_up_front(tmp_path, capsys):
-    # mFairFL's aggregator exists, its Lagrangian local training does not (yet): say so in one
-    # line before any work, never a TypeError from deep inside the trainer.
+def test_algorithm_without_its_client_side_training_is_refused_up_front(tmp_path, capsys,
+                                                                       monkeypatch):
+    # A rule whose local training needs trainer options that do not exist (yet) is refused in
+    # one line before any work, never with a TypeError from deep inside the trainer. Every
+    # shipped rule has its client side now, so a made-up rule stands in.
+    from mpifl.aggregators import base
+
+    class NeedsMissingTraining(base.Aggregator):
+        name = "needs_missing_training"
+
+        @classmethod
+        def client_options(cls, **params):
+            return {"no_such_trainer_option": 1.0}
+
+    monkeypatch.setitem(base._REGISTRY, NeedsMissingTraining.name, NeedsMissingTraining)
     out = tmp_path / "r.h5"
-    assert main(["run", str(MAIN_JOB), "--set", "server.algorithm=mfairfl", "--out", str(out)]) == 2
+    assert main(["run", str(MAIN_JOB), "--set", "server.algorithm=needs_missing_training",
+                 "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'mfairfl' needs local training that mpifl's trainer does not have" in err[0]
+    assert len(err) == 1 and ("'needs_missing_training' needs local training that mpifl's "
+                              "trainer does not have yet (no_such_trainer_option)") in err[0]
     assert not out.exists()

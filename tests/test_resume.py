@@ -66,9 +66,11 @@ def contents(path: Path) -> dict[str, np.ndarray]:
     with h5py.File(path, "r") as f:
         assert f.attrs["status"] == "complete"
         out = {"model/global": f["model/global"][()]}
-        for group in ("eval", "rounds"):
-            for key in f[group]:
-                if key not in MEASURED_COLUMNS:
+        for group in ("eval", "rounds"):  # subgroups too (/eval/group/..., /eval/personal/...)
+            keys: list[str] = []
+            f[group].visit(keys.append)
+            for key in keys:
+                if isinstance(f[group][key], h5py.Dataset) and key not in MEASURED_COLUMNS:
                     out[f"{group}/{key}"] = f[group][key][()]
     return out
 

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpifl import fairness
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order,
                                     register)
 from mpifl.aggregators.fedfv import projection_order
@@ -152,12 +153,18 @@ class MFairFL(Aggregator):
         num_constraints: A, if known (G for dp/ap, 2G for eo; see
             :func:`mpifl.fairness.num_constraints`); None: sized by the first round that reports
             constraints, and :attr:`multipliers` is empty (meaning zeros) until then.
+        num_groups: G, the number of sensitive groups of the data, from which A follows
+            (``num_constraints(notion, G)``); what a run passes (:attr:`needs_num_groups`).
+            Given together with ``num_constraints``, the two must agree.
         seed: unused (nothing is drawn); kept for the common constructor.
 
     Server contract: pass ``stats={"constraints": (m, A) float}`` in every :class:`RoundUpdates`
     (the values ``c_{a,k}(w^t)`` each client measured before local training) and the Lagrangian
     losses ``l_k`` as ``losses``; broadcast :attr:`multipliers` to the next round's clients. A
     round without ``"constraints"`` leaves the multipliers unchanged (the curation still runs).
+    In a run, the client side is :class:`mpifl.clients.LagrangianTrainer` (:attr:`trainer_kind`),
+    which gets the notion and eps through :meth:`client_options` and λ through
+    :meth:`round_inputs` with every TRAIN request.
 
     State: hyper-parameters, the last round, the goals as ``goal_pairs`` (P, 2) int64 (client
     ids i, j; sorted) with ``goal_values`` (P,) float64, and ``multipliers`` (A,) float64.
@@ -168,12 +175,28 @@ class MFairFL(Aggregator):
             are non-finite, not 2-D, of a changed width, or of odd width for EO.
     """
 
+    #: the run passes ``num_groups=G`` (the sensitive groups of the data) to the constructor
+    needs_num_groups = True
+    #: Lagrangian local training (:class:`mpifl.clients.LagrangianTrainer`)
+    trainer_kind = "mfairfl"
+
     def __init__(self, *, notion: str = "dp", eps: float = 0.05, eta_lambda: float = 0.1,
                  alpha: float = 0.9, beta: float = 0.01, num_constraints: int | None = None,
-                 seed: int = 0) -> None:
+                 num_groups: int | None = None, seed: int = 0) -> None:
         super().__init__(seed=seed)
         self.notion, self.eps, self.eta_lambda, self.alpha, self.beta = check_params(
             notion, eps, eta_lambda, alpha, beta)
+        if num_groups is not None:
+            num_groups = _index(num_groups, "mfairfl: num_groups")
+            if num_groups < 1:
+                raise ValueError(f"mfairfl: needs data with a sensitive attribute (num_groups "
+                                 f">= 1), got num_groups={num_groups}")
+            from_groups = fairness.num_constraints(self.notion, num_groups)
+            if num_constraints is not None and _index(num_constraints, "mfairfl: "
+                                                      "num_constraints") != from_groups:
+                raise ValueError(f"mfairfl: num_constraints={num_constraints} contradicts "
+                                 f"num_groups={num_groups} for notion {self.notion!r}")
+            num_constraints = from_groups
         if num_constraints is not None:
             num_constraints = _index(num_constraints, "mfairfl: num_constraints")
             if num_constraints < 1:
@@ -189,6 +212,10 @@ class MFairFL(Aggregator):
         """The client side's Lagrangian needs the notion and the tolerance."""
         return {"fair_notion": params.get("notion", "dp"),
                 "fair_eps": float(params.get("eps", 0.05))}
+
+    def round_inputs(self) -> np.ndarray:
+        """The multipliers λ (A,) float64 broadcast with every TRAIN request (:attr:`multipliers`)."""
+        return self.multipliers
 
     # ---- public -----------------------------------------------------------------------------
 

@@ -1,13 +1,18 @@
 """Client-side computation: vectorised local training and evaluation of many clients at once.
 
 See :mod:`mpifl.clients.trainer` (FedAvg local SGD, McMahan et al. 2017, with ``torch.func.vmap``)
-and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019).
+and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019) and
+:mod:`mpifl.clients.mfairfl` (mFairFL's Lagrangian local training, Su et al. 2024).
 """
 
 from mpifl.clients.trainer import Columns, VmapTrainer, batch_order
+from mpifl.clients.ditto import DittoTrainer
+from mpifl.clients.mfairfl import LagrangianTrainer
 from mpifl.clients.uga import UGATrainer
 
 #: Local-training kinds an aggregation rule can ask for (``Aggregator.trainer_kind``).
-TRAINERS = {"sgd": VmapTrainer, "uga": UGATrainer}
+TRAINERS = {"sgd": VmapTrainer, "uga": UGATrainer, "mfairfl": LagrangianTrainer,
+            "ditto": DittoTrainer}
 
-__all__ = ["TRAINERS", "Columns", "UGATrainer", "VmapTrainer", "batch_order"]
+__all__ = ["TRAINERS", "Columns", "DittoTrainer", "LagrangianTrainer", "UGATrainer", "VmapTrainer",
+           "batch_order"]

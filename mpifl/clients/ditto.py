@@ -1,0 +1,200 @@
+"""Ditto's client work: FedAvg local SGD for the global model plus a personal model per client.
+
+Ditto — Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+Personalization", ICML 2021 (SPEC §7). Every client k keeps a personal model v_k next to the
+global model. In round t a selected client
+
+* trains the global model exactly as FedAvg (:class:`~mpifl.clients.VmapTrainer`: E epochs of
+  minibatch SGD from w^t, reporting ``u_k = w^t - w_k``), and
+* trains its personal model on ``F_k(v) + (lam/2) ||v - w^t||^2`` starting from its stored v_k.
+
+The paper (Algorithm 1) leaves open how v_k starts, how many personal steps a round takes and on
+which samples; this module follows the authors' code (github.com/litian96/ditto,
+``flearn/trainers_MTL/ditto.py``) there:
+
+* the personal model takes **one step per global step, on the same minibatch** (the reference
+  draws a batch, takes the personal step on it, then the global step on it): here both walk
+  the minibatches of SPEC §1 (``batch_order(seed, round, client, epoch, n)``), so the personal
+  model takes ``E * ceil(n_k / B)`` steps, like the global one;
+* the proximal anchor is the round's global model w^t, held fixed during the round (not the
+  client's moving copy of the global model), with the same learning rate ``lr_t``;
+* v_k starts as a copy of the initial global model (kept by the aggregator,
+  :mod:`mpifl.aggregators.ditto`; the server sends v_k as the client's state row);
+* the reference's plain SGD step is this trainer's ``torch.optim.SGD`` step: with the default
+  ``momentum = weight_decay = 0`` they are the same; otherwise the personal model uses the
+  client section's momentum (a fresh buffer every round, as for the global model) and weight
+  decay. The reference's ``dynamic_lam`` (picking lam per client on validation data) is not
+  implemented.
+
+Both trainings are batched as in VmapTrainer: a chunk of clients is one stacked ``(m, d)``
+tensor per model, one ``vmap(grad)`` call per step index, padded and masked minibatches; there is
+no loop over clients. :meth:`DittoTrainer.evaluate_each` evaluates K per-client parameter rows
+the same way (``vmap`` of ``functional_call`` over the rows, padded/masked test samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.func import functional_call, vmap
+
+from mpifl.clients.trainer import Columns, VmapTrainer
+
+
+class DittoTrainer(VmapTrainer):
+    """Global (FedAvg) and personal (proximal) local training of many clients at once.
+
+    Args:
+        lam: Ditto's lambda >= 0, the coefficient of ``(lam/2) ||v_k - w^t||^2`` in the personal
+            objective (``lam = 0``: purely local personal models).
+        **kw: :class:`~mpifl.clients.VmapTrainer`'s arguments (model, layout, x, y, epochs,
+            batch_size, momentum, weight_decay, seed, memory_budget_mb, device, prox_mu,
+            report_accuracy); ``prox_mu`` (FedProx) applies to the global model only.
+
+    Raises:
+        ValueError: lam negative or not finite, or VmapTrainer's errors.
+    """
+
+    def __init__(self, *args, lam: float = 0.1, **kw):
+        if isinstance(lam, bool) or not (math.isfinite(float(lam)) and float(lam) >= 0):
+            raise ValueError(f"ditto: lam must be a finite number >= 0, got {lam!r}")
+        super().__init__(*args, **kw)
+        self.lam = float(lam)
+
+    @classmethod
+    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+        """The personal model v_k travels as the client's state row (d wide) and comes back,
+        trained, as the statistic ``client_state`` (d wide)."""
+        extra = (("train_accuracy", 1),) if options.get("report_accuracy") else ()
+        return Columns(state=d, stats=(("client_state", d),) + extra)
+
+    @torch.no_grad()
+    def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                  sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """One Ditto round of the selected clients.
+
+        Args:
+            w, round, lr, client_ids, sample_idx: as in :meth:`VmapTrainer.train`.
+            inputs: unused (Ditto has no round inputs).
+            state: ``(m, d)`` float32, the clients' personal models v_k before the round.
+
+        Returns:
+            ``updates`` (m, d) and ``losses`` (m,) of the global model, exactly as
+            :meth:`VmapTrainer.train`; ``stats["client_state"]`` (m, d) float32, the personal
+            models after the round (and ``train_accuracy`` (m, 1) with ``report_accuracy``).
+
+        Raises:
+            ValueError: missing or mis-shaped state rows, or :meth:`VmapTrainer.train`'s errors.
+        """
+        m = len(sample_idx)
+        if state is None or tuple(state.shape) != (m, self.layout.d):
+            got = None if state is None else tuple(state.shape)
+            raise ValueError(f"ditto: run_round needs the personal models as state rows "
+                             f"({m}, {self.layout.d}), got {got}")
+        updates, losses, acc = self._train(w, round, lr, client_ids, sample_idx)  # FedAvg part
+        personal = self.train_personal(w, round, lr, client_ids, sample_idx, state)
+        stats = {"client_state": personal}
+        if self.report_accuracy:
+            stats["train_accuracy"] = acc.float().view(-1, 1)
+        return updates, losses, stats
+
+    @torch.no_grad()
+    def train_personal(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                       sample_idx: Sequence[np.ndarray], v: Tensor) -> Tensor:
+        """The personal models after the round: local SGD from ``v`` (m, d) on
+        ``F_k(v) + (lam/2) ||v - w||^2``, on the same minibatches as the global model.
+
+        Returns:
+            ``(m, d)`` float32 on ``device``.
+        """
+        w = self._check_w(w)
+        client_ids, sizes = self._check_clients(client_ids, sample_idx)
+        v = v.detach().to(self.device, torch.float32)
+        out = torch.empty(len(sizes), self.layout.d, device=self.device)
+        for chunk in self.plan_chunks(sizes):
+            pos = torch.as_tensor(chunk, device=self.device)
+            out[pos] = self._train_chunk(w, round, lr, client_ids[chunk],
+                                         [sample_idx[i] for i in chunk], start=v[pos],
+                                         prox_mu=self.lam)
+        return out
+
+    @torch.no_grad()
+    def evaluate_each(self, W: Tensor, sample_idx: Sequence[np.ndarray]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Accuracy and mean cross-entropy of client i's own parameters ``W[i]`` on its samples.
+
+        Batched over clients: clients (sorted by sample count, so that a chunk holds similar
+        sizes) are cut into chunks that fit the memory budget; a chunk's samples are padded to
+        its largest client (padding rows weigh 0) and evaluated with one ``vmap`` of
+        ``functional_call`` over the clients' parameter rows per block of sample positions.
+
+        Args:
+            W: ``(n, d)`` per-client parameters (e.g. Ditto's personal models).
+            sample_idx: n arrays of indices into x (e.g. the clients' test splits).
+
+        Returns:
+            ``accuracy`` ``(n,)`` float64 and ``loss`` ``(n,)`` float64 (nats); NaN for a client
+            without samples — as :meth:`VmapTrainer.evaluate` gives for one shared w.
+
+        Raises:
+            ValueError: W is not ``(len(sample_idx), d)``.
+        """
+        n = len(sample_idx)
+        if tuple(W.shape) != (n, self.layout.d):
+            raise ValueError(f"W must have shape ({n}, {self.layout.d}), got {tuple(W.shape)}")
+        W = W.detach()
+        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
+        ce_sum = np.zeros(n, dtype=np.float64)
+        hits = np.zeros(n, dtype=np.float64)
+        per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
+        per_client = 4 * 2 * self.layout.d  # the chunk's parameter rows (+ their views' copies)
+        forward = vmap(lambda p, xb: functional_call(self.model, p, (xb,)))
+        for chunk in self._eval_chunks(sizes, per_client, per_row):
+            c, n_max = len(chunk), int(sizes[chunk[0]])
+            rows = np.empty((c, n_max), dtype=np.int64)
+            mask = np.zeros((c, n_max), dtype=bool)
+            for j, i in enumerate(chunk):
+                s = np.asarray(sample_idx[i], dtype=np.int64).reshape(-1)
+                rows[j, :len(s)], rows[j, len(s):] = s, s[0]  # padding: own first sample
+                mask[j, :len(s)] = True
+            params = self.layout.unflatten(
+                W[torch.as_tensor(chunk, device=W.device)].to(self.device, torch.float32))
+            block = max(1, (self.memory_budget - c * per_client) // (c * per_row))
+            ce_c = torch.zeros(c, dtype=torch.float64, device=self.device)
+            hit_c = torch.zeros(c, dtype=torch.float64, device=self.device)
+            for lo in range(0, n_max, block):
+                idx, keep = rows[:, lo:lo + block], mask[:, lo:lo + block]
+                xb, yb = self._gather(idx.reshape(-1))
+                xb = xb.view(c, idx.shape[1], *xb.shape[1:])
+                yb = yb.view(c, idx.shape[1])
+                out = forward(params, xb)
+                ce = F.cross_entropy(out.flatten(0, 1), yb.reshape(-1), reduction="none")
+                keep_t = torch.as_tensor(keep, device=self.device)
+                ce_c += torch.where(keep_t, ce.view(c, -1).double(), 0.0).sum(1)
+                hit_c += ((out.argmax(dim=-1) == yb) & keep_t).double().sum(1)
+            ce_sum[chunk] = ce_c.cpu().numpy()
+            hits[chunk] = hit_c.cpu().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            count = sizes.astype(np.float64)
+            return hits / count, ce_sum / count
+
+    def _eval_chunks(self, sizes: np.ndarray, per_client: int, per_row: int) -> list[np.ndarray]:
+        """Clients with samples, largest first, in chunks whose parameter rows and padded
+        samples fit the memory budget (at least one client per chunk; a client whose samples
+        alone exceed it is evaluated in blocks of sample positions)."""
+        order = [int(i) for i in np.argsort(-sizes, kind="stable") if sizes[i] > 0]
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks:
+                c, n_max = len(chunks[-1]) + 1, int(sizes[chunks[-1][0]])
+                if c * (per_client + n_max * per_row) <= self.memory_budget:
+                    chunks[-1].append(i)
+                    continue
+            chunks.append([i])
+        return [np.array(c, dtype=np.int64) for c in chunks]
