@@ -34,14 +34,13 @@ get a zero gradient entry). With every client present this is exactly the formul
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order,
-                                    register)
+from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_nonnegative, check_num_clients,
+                                    check_round_order, register)
 from mpifl.aggregators.qfedavg import check_losses
 
 
@@ -90,16 +89,8 @@ class AFL(Aggregator):
     def __init__(self, *, eta_lambda: float = 0.01, num_clients: int | None = None,
                  seed: int = 0) -> None:
         super().__init__(seed=seed)
-        if isinstance(eta_lambda, bool) or not isinstance(
-                eta_lambda, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(eta_lambda) or eta_lambda < 0:
-            raise ValueError(f"afl: eta_lambda must be a finite number >= 0, got {eta_lambda!r}")
-        self.eta_lambda = float(eta_lambda)
-        if num_clients is not None:
-            num_clients = _index(num_clients, "afl: num_clients")
-            if num_clients < 1:
-                raise ValueError(f"afl: num_clients must be >= 1, got {num_clients}")
-        self.num_clients = num_clients
+        self.eta_lambda = check_nonnegative("afl", "eta_lambda", eta_lambda)
+        self.num_clients = check_num_clients("afl", num_clients)
         self._lam: np.ndarray | None = None
         self._last_round = -1
         self._sum: torch.Tensor | None = None        # float64 sum of observed iterates

@@ -152,6 +152,32 @@ def check_seed(seed: Any) -> int:
     return seed
 
 
+def check_nonnegative(rule: str, name: str, x: Any) -> float:
+    """A hyper-parameter as a finite float >= 0 (bools and non-numbers refused).
+
+    Raises:
+        ValueError: naming the rule and the parameter.
+    """
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(x) or x < 0:
+        raise ValueError(f"{rule}: {name} must be a finite number >= 0, got {x!r}")
+    return float(x)
+
+
+def check_num_clients(rule: str, num_clients: Any) -> int | None:
+    """K for rules with state over all clients: None (grow as ids appear) or an int >= 1.
+
+    Raises:
+        ValueError: not an integer, or < 1.
+    """
+    if num_clients is None:
+        return None
+    num_clients = _index(num_clients, f"{rule}: num_clients")
+    if num_clients < 1:
+        raise ValueError(f"{rule}: num_clients must be >= 1, got {num_clients}")
+    return num_clients
+
+
 def check_round_order(rule: str, rnd: int, last: int) -> None:
     """Stateful rules see rounds in increasing order (a replayed or reordered round would corrupt
     their history).

@@ -21,14 +21,14 @@ rule is given (round 0's w^0). The reference averages the updates uniformly
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import RoundUpdates, _index, check_round_order, register
+from mpifl.aggregators.base import (RoundUpdates, check_nonnegative, check_num_clients,
+                                    check_round_order, register)
 from mpifl.aggregators.fedavg import FedAvg
 
 
@@ -60,15 +60,8 @@ class Ditto(FedAvg):
     def __init__(self, *, lam: float = 0.1, num_clients: int | None = None,
                  weighting: str = "samples", seed: int = 0) -> None:
         super().__init__(weighting=weighting, seed=seed)
-        if isinstance(lam, bool) or not isinstance(lam, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(lam) or lam < 0:
-            raise ValueError(f"ditto: lam must be a finite number >= 0, got {lam!r}")
-        self.lam = float(lam)
-        if num_clients is not None:
-            num_clients = _index(num_clients, "ditto: num_clients")
-            if num_clients < 1:
-                raise ValueError(f"ditto: num_clients must be >= 1, got {num_clients}")
-        self.num_clients = num_clients
+        self.lam = check_nonnegative("ditto", "lam", lam)
+        self.num_clients = check_num_clients("ditto", num_clients)
         self.V: torch.Tensor | None = None
         self._last_round = -1
 

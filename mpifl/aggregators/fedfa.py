@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order,
+from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_num_clients, check_round_order,
                                     register)
 
 
@@ -122,11 +122,7 @@ class FedFa(Aggregator):
         self.beta = _number(beta, "beta", 0.0, 1.0, hi_open=False)
         self.gamma_s = _number(gamma_s, "gamma_s", 0.0, 1.0, hi_open=True)
         self.gamma_c = _number(gamma_c, "gamma_c", 0.0, 1.0, hi_open=True)
-        if num_clients is not None:
-            num_clients = _index(num_clients, "fedfa: num_clients")
-            if num_clients < 1:
-                raise ValueError(f"fedfa: num_clients must be >= 1, got {num_clients}")
-        self.num_clients = num_clients
+        self.num_clients = check_num_clients("fedfa", num_clients)
         self._counts = np.zeros(num_clients or 0, dtype=np.int64)
         self._v: torch.Tensor | None = None
         self._last_round = -1

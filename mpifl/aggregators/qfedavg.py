@@ -14,12 +14,11 @@ work is the row norms ``||u_k||``. The m scalars are computed in float64.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.base import Aggregator, RoundUpdates, check_nonnegative, register
 
 LOSS_EPS = 1e-10
 
@@ -41,10 +40,7 @@ class QFedAvg(Aggregator):
 
     def __init__(self, *, q: float = 1.0, seed: int = 0) -> None:
         super().__init__(seed=seed)
-        if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)) \
-                or not math.isfinite(q) or q < 0:
-            raise ValueError(f"qfedavg: q must be a finite number >= 0, got {q!r}")
-        self.q = float(q)
+        self.q = check_nonnegative("qfedavg", "q", q)
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:

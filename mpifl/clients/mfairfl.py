@@ -223,22 +223,13 @@ class LagrangianTrainer(VmapTrainer):
         sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
         n, g = len(sizes), self.num_groups
         sums = torch.zeros(n * g * 2, 3, dtype=torch.float64, device=self.device)
-        if sizes.sum() > 0:
-            all_rows = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in sample_idx])
-            segment = torch.as_tensor(np.repeat(np.arange(n), sizes), device=self.device)
-            params = self.layout.unflatten(w)
-            per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
-            step = max(1, (self.memory_budget - 4 * self.layout.d) // per_row)
-            for lo in range(0, len(all_rows), step):
-                rows = all_rows[lo:lo + step]
-                xb, yb = self._gather(rows)
-                sb = self.sensitive[torch.as_tensor(rows, device=self.sensitive.device)].to(self.device)
-                out = functional_call(self.model, params, (xb,))
-                cell = (segment[lo:lo + step] * g + sb) * 2 + yb
-                sums.index_add_(0, cell, torch.stack(
-                    [torch.ones_like(yb, dtype=torch.float64),
-                     self._positive_probability(out).double(),
-                     F.cross_entropy(out, yb, reduction="none").double()], dim=1))
+        for rows, seg, out, yb in self._forward_blocks(w, sample_idx):
+            sb = self.sensitive[torch.as_tensor(rows, device=self.sensitive.device)].to(self.device)
+            cell = (seg * g + sb) * 2 + yb
+            sums.index_add_(0, cell, torch.stack(
+                [torch.ones_like(yb, dtype=torch.float64),
+                 self._positive_probability(out).double(),
+                 F.cross_entropy(out, yb, reduction="none").double()], dim=1))
         sums = sums.view(n, g, 2, 3)
         count, prob_sum, loss_sum = sums.unbind(dim=3)
         ce = loss_sum.sum(dim=(1, 2)) / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)

@@ -424,28 +424,36 @@ class VmapTrainer:
         hits = torch.zeros(n, dtype=torch.float64, device=self.device)
         cells = torch.zeros(n * (groups[1] if groups else 0) * 2, 3, dtype=torch.float64,
                             device=self.device)
-        if sizes.sum() > 0:
-            all_rows = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in sample_idx])
-            segment = torch.as_tensor(np.repeat(np.arange(n), sizes), device=self.device)
-            params = self.layout.unflatten(w)
-            per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
-            step = max(1, (self.memory_budget - 4 * self.layout.d) // per_row)
-            for lo in range(0, len(all_rows), step):
-                xb, yb = self._gather(all_rows[lo:lo + step])
-                out = functional_call(self.model, params, (xb,))
-                seg = segment[lo:lo + step]
-                ce_sum.index_add_(0, seg, F.cross_entropy(out, yb, reduction="none").double())
-                pred = out.argmax(dim=-1)
-                hits.index_add_(0, seg, (pred == yb).double())
-                if groups is not None:  # cell = (client, group, true label)
-                    sens = groups[0][torch.as_tensor(all_rows[lo:lo + step], device=groups[0].device)]
-                    cell = (seg * groups[1] + sens.to(self.device)) * 2 + yb
-                    cells.index_add_(0, cell, torch.stack(
-                        [torch.ones_like(pred), pred == 1, pred != yb], dim=1).double())
+        for rows, seg, out, yb in self._forward_blocks(w, sample_idx):
+            ce_sum.index_add_(0, seg, F.cross_entropy(out, yb, reduction="none").double())
+            pred = out.argmax(dim=-1)
+            hits.index_add_(0, seg, (pred == yb).double())
+            if groups is not None:  # cell = (client, group, true label)
+                sens = groups[0][torch.as_tensor(rows, device=groups[0].device)]
+                cell = (seg * groups[1] + sens.to(self.device)) * 2 + yb
+                cells.index_add_(0, cell, torch.stack(
+                    [torch.ones_like(pred), pred == 1, pred != yb], dim=1).double())
         count = torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
         if groups is not None:
             return ce_sum / count, hits / count, cells.view(n, groups[1], 2, 3)
         return ce_sum / count, hits / count
+
+    def _forward_blocks(self, w: Tensor, sample_idx: Sequence[np.ndarray]):
+        """One forward of w over the clients' concatenated samples, in row blocks that fit the
+        memory budget. Yields ``(rows (b,) int64 numpy store indices, client (b,) int64 position
+        of each row's client, outputs (b, C), labels (b,))``."""
+        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
+        if sizes.sum() == 0:
+            return
+        all_rows = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in sample_idx])
+        segment = torch.as_tensor(np.repeat(np.arange(len(sizes)), sizes), device=self.device)
+        params = self.layout.unflatten(w)
+        per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
+        step = max(1, (self.memory_budget - 4 * self.layout.d) // per_row)
+        for lo in range(0, len(all_rows), step):
+            xb, yb = self._gather(all_rows[lo:lo + step])
+            yield (all_rows[lo:lo + step], segment[lo:lo + step],
+                   functional_call(self.model, params, (xb,)), yb)
 
     # ------------------------------------------------------------------ helpers
 
