@@ -1,75 +1,207 @@
 """Benchmarks of the server's aggregation cost (``mpifl bench aggregation``).
 
-Times ``aggregate()`` of registered rules on synthetic, conflicting client updates. FedFV's Gram
-form is also timed against the direct per-pair loop
+Times ``aggregate()`` of every registered rule (or a chosen few) on synthetic, conflicting
+client updates, over a grid of clients per round m, model sizes d and history lengths tau.
+FedFV's Gram form is also timed against the direct per-pair loop
 (:class:`~mpifl.aggregators.fedfv_direct.DirectFedFV`) on the same inputs in the same run, and
 reported as a ratio with the largest difference between the two steps: ratios measured side by
 side carry over between machines, absolute times do not (DESIGN "Performance principles").
+
+Results go to a table, one JSON object (:meth:`AggregationBench.to_json`) and an HDF5 file
+(:func:`write_hdf5`, read back by :func:`read_hdf5` and ``analysis/agg_scaling.py``).
+
+HDF5 layout (no pickled objects; every dataset is 1-D with one entry per timed case)::
+
+    /                 attrs: benchmark="aggregation", repeats, warmup, baseline_repeats, seed,
+                      machine info (cpu_count, affinity_cpus, cpu_model, torch_version, numpy_version,
+                      python_version, platform, device, device_name, torch_threads,
+                      loadavg_start, loadavg_end), skipped_names / skipped_reasons (str arrays)
+    /<algorithm>/     attrs: form ("default", "gram" or "direct"), tau_applies (bool)
+        m, d, tau            int64   (tau = -1 where the rule takes no tau)
+        median_s             float64 median seconds of one aggregate() over the repeats
+        min_s, max_s, iqr_s  float64 spread: fastest, slowest, interquartile range (p75 - p25,
+                                     0 with fewer than 2 repeats)
+        bytes                int64   input bytes touched, see :func:`bench_aggregation`
+        ratio, max_abs_diff  float64 only in groups that have a baseline (fedfv, fedfv_direct)
+
+FedFV's Gram form is the group ``fedfv``; the direct oracle beside it is ``fedfv_direct``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
+import os
+import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mpifl.aggregators import RoundUpdates, available, create
-from mpifl.aggregators.base import _REGISTRY
+from mpifl.aggregators import RoundUpdates, available, rule
 from mpifl.aggregators.fedfv_direct import DirectFedFV
 
-COLUMNS = ("algorithm", "form", "m", "d", "tau", "median_s", "min_s", "max_s", "ratio",
-           "max_abs_diff")
-_RANK = 8   # directions the synthetic updates live in (plus small full-rank noise)
+COLUMNS = ("algorithm", "form", "m", "d", "tau", "median_s", "min_s", "max_s", "iqr_s", "bytes",
+           "ratio", "max_abs_diff")
+#: the datasets of every HDF5 group, in order (``ratio``/``max_abs_diff`` only with a baseline)
+H5_DATASETS = ("m", "d", "tau", "median_s", "min_s", "max_s", "iqr_s", "bytes")
+H5_BASELINE_DATASETS = ("ratio", "max_abs_diff")
+BASELINE = "fedfv_direct"     # the HDF5 group / JSON algorithm name of the direct FedFV rows
+
+_RANK = 8          # directions the synthetic updates live in (plus small full-rank noise)
+_NUM_CONSTRAINTS = 4          # mFairFL's A in the benchmark (DP with 4 groups)
+_STATE_WIDTH = "d"            # marker: a stats column as wide as the model
 
 
-def bench_aggregation(algorithms: Sequence[str], ms: Sequence[int], d: int, *, tau: int = 1,
-                      repeats: int = 5, warmup: int = 1, device: str = "cpu", seed: int = 0,
-                      progress: bool = False) -> list[dict]:
-    """Time each rule's ``aggregate()`` for every number of clients in ``ms``.
+@dataclass(frozen=True)
+class Extras:
+    """What a rule needs besides updates, losses and sample counts (one row of :data:`EXTRAS`).
+
+    Attributes:
+        params: constructor keyword arguments (besides ``seed``, ``tau``, ``num_clients``).
+        stats: ``RoundUpdates.stats`` columns as name -> trailing shape; ``()`` gives (m,),
+            ``("d",)`` gives (m, d) (e.g. Ditto's personal-model rows).
+        loss_at: give ``RoundUpdates.loss_at`` the synthetic probe of :func:`_loss_probe`.
+        all_clients: every client takes part in every round (K = m, ids 0..m-1), as AFL needs.
+    """
+
+    params: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, tuple] = field(default_factory=dict)
+    loss_at: bool = False
+    all_clients: bool = False
+
+
+#: Rules that need more than the common inputs. A registered rule not listed here gets the common
+#: inputs only (plus ``num_clients`` when it declares ``needs_num_clients``); a rule that still
+#: cannot be built or run is reported as skipped with the error, never a crash.
+EXTRAS: dict[str, Extras] = {
+    "afl": Extras(all_clients=True),
+    "mfairfl": Extras(params={"num_constraints": _NUM_CONSTRAINTS},
+                      stats={"constraints": (_NUM_CONSTRAINTS,)}),
+    "fedfa": Extras(stats={"train_accuracy": ()}),
+    "ditto": Extras(stats={"client_state": (_STATE_WIDTH,)}),
+    "fedmdfg": Extras(loss_at=True),
+}
+
+
+@dataclass
+class AggregationBench:
+    """Result of :func:`bench_aggregation`.
+
+    Attributes:
+        rows: one dict per timed case with keys :data:`COLUMNS` (see :func:`bench_aggregation`).
+        skipped: rule name -> one-line reason, for rules that could not be built or run.
+        machine: :func:`machine_info` at the start, plus ``loadavg_end``.
+        settings: repeats, warmup, baseline_repeats, seed.
+    """
+
+    rows: list[dict]
+    skipped: dict[str, str]
+    machine: dict[str, Any]
+    settings: dict[str, Any]
+
+    def to_json(self) -> dict:
+        """One JSON-serialisable object: benchmark, machine, settings, rows, skipped."""
+        return {"benchmark": "aggregation", "machine": self.machine, "settings": self.settings,
+                "rows": self.rows, "skipped": self.skipped}
+
+
+def bench_aggregation(algorithms: Sequence[str] | None, ms: Sequence[int],
+                      d: int | Sequence[int], *, tau: int | Sequence[int] = 1, repeats: int = 5,
+                      warmup: int = 1, baseline_repeats: int | None = None,
+                      device: str = "cpu", seed: int = 0, threads: int | None = None,
+                      progress: bool = False) -> AggregationBench:
+    """Time each rule's ``aggregate()`` for every (m, d, tau) of the grid.
 
     Inputs (fixed by ``seed``, m and d): float32 updates ``u_k = z_k B + noise`` with B 8 random
     directions of norm ~1; the first coefficient ~ 1 is shared, the other 7 are standard normal,
-    so about 40% of the pairs conflict. ``tau`` earlier rounds of m other clients are fed
-    first, so FedFV's history step works on ``tau * m`` stored updates; rules whose constructor
-    takes ``tau`` get it. Every timed call starts from a copy of that state.
+    so about 40% of the pairs conflict. Losses are uniform in [1, 2), sample counts in
+    [50, 500), lr = 0.01. Rules whose constructor takes ``tau`` get it and first aggregate
+    ``tau`` earlier rounds of m other clients, so FedFV's history step works on ``tau * m``
+    stored updates; other rules aggregate one earlier round first (their steady state, e.g.
+    AFL's and mFairFL's multipliers). Every timed call starts from a copy of that state.
+    Round t holds the clients ``t*m .. t*m+m-1`` of K = (rounds fed + 1) * m (``num_clients=K``
+    where the rule needs it); AFL's rounds hold all of K = m clients. Extra inputs follow
+    :data:`EXTRAS` (mFairFL: (m, 4) constraint values in [-0.05, 0.05); FedFa: training
+    accuracies in [0, 1); Ditto: (m, d) personal-model rows; FedMDFG: :func:`_loss_probe`).
+
+    ``bytes`` = ``4 * d * (m + h + s)``: the float32 d-vectors the call is given or may read,
+    each counted once — the m updates, the h = tau * m history rows of a tau rule (0 otherwise)
+    and the s = m rows of a (m, d) stats column (Ditto). A lower bound on the memory traffic.
 
     Args:
-        algorithms: registered names (see :func:`mpifl.aggregators.available`).
-        ms: clients per round to try. d: parameter dimension.
-        tau: rounds of history. repeats / warmup: timed / untimed calls per case.
+        algorithms: registered names (see :func:`mpifl.aggregators.available`); None = all.
+        ms: clients per round to try. d: parameter dimension(s). tau: history length(s).
+        repeats / warmup: timed / untimed calls per case.
+        baseline_repeats: timed calls of the direct FedFV per case (default ``repeats``; it is
+            the slow one: seconds per call at m = 200, d = 199,210 on 2 CPU cores).
         device: torch device of the updates, e.g. ``"cuda"`` (synchronised around each call).
         seed: seeds the inputs and the rules. progress: show a tqdm bar on stderr.
+        threads: ``torch.set_num_threads`` for the benchmark (None: leave torch's default).
 
     Returns:
-        One dict per (algorithm, form, m) with keys :data:`COLUMNS`: ``form`` is ``"gram"`` for
-        FedFV's registered Gram form and ``"direct"`` for the oracle timed beside it,
-        ``"default"`` for other rules; ``median_s``/``min_s``/``max_s`` are seconds over
-        ``repeats``; ``ratio`` = direct median / this median (speed-up over the direct loop,
-        1.0 on the direct row, None for rules without a baseline); ``max_abs_diff`` = max
-        |s_gram - s_direct| (0.0 on the direct row, None without baseline); ``tau`` is None for
-        rules without a tau parameter.
+        :class:`AggregationBench`. Its rows have keys :data:`COLUMNS`: ``form`` is ``"gram"``
+        for FedFV's registered Gram form and ``"direct"`` for the oracle timed beside it,
+        ``"default"`` for other rules; ``median_s``/``min_s``/``max_s`` are seconds over the
+        repeats and ``iqr_s`` their interquartile range; ``ratio`` = direct median / this
+        median (speed-up over the direct loop, 1.0 on the direct row, None for rules without a
+        baseline); ``max_abs_diff`` = max |s_gram - s_direct| (0.0 on the direct row, None
+        without baseline); ``tau`` is None for rules without a tau parameter. A rule that
+        raises anything while being built or run is not a failure of the benchmark: its
+        ``skipped`` entry says where and why (one line), its rows measured before stay, and
+        no further case of it is tried.
 
     Raises:
         ValueError: an unknown algorithm, a non-positive size, repeats < 1, warmup < 0,
-            or an unavailable device.
+            threads < 1, or an unavailable device.
     """
-    dev = _check_args(algorithms, ms, d, tau, repeats, warmup, device)
+    algorithms = list(available()) if algorithms is None else list(algorithms)
+    ds = [int(d)] if isinstance(d, (int, np.integer)) else [int(x) for x in d]
+    taus = [int(tau)] if isinstance(tau, (int, np.integer)) else [int(x) for x in tau]
+    baseline_repeats = repeats if baseline_repeats is None else baseline_repeats
+    if threads is not None and int(threads) < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    dev = _check_args(algorithms, ms, ds, taus, repeats, warmup, baseline_repeats, device)
+    with torch_threads(threads):
+        return _bench_grid(algorithms, ms, ds, taus, repeats, warmup, baseline_repeats, dev,
+                           seed, progress)
+
+
+def _bench_grid(algorithms, ms, ds, taus, repeats, warmup, baseline_repeats, dev, seed,
+                progress) -> AggregationBench:
+    machine = machine_info(dev)
     rows: list[dict] = []
-    with tqdm(total=len(algorithms) * len(ms), disable=not progress, desc="aggregation",
+    skipped: dict[str, str] = {}
+    cases = [(int(m), dd) for m in ms for dd in ds]
+    with tqdm(total=len(cases) * len(algorithms), disable=not progress, desc="aggregation",
               unit="case") as bar:
-        for alg in algorithms:
-            for m in ms:
-                bar.set_postfix_str(f"{alg} m={m}")
-                rows.extend(_bench_case(alg, int(m), int(d), tau, repeats, warmup, dev, seed))
+        for m, dd in cases:
+            inputs = _Inputs(m, dd, max(max(taus), 1), dev, seed)
+            for alg in algorithms:
+                bar.set_postfix_str(f"{alg} m={m} d={dd}")
+                if alg not in skipped:
+                    for t in (taus if _takes(alg, "tau") else [None]):
+                        try:
+                            rows.extend(_bench_case(alg, inputs, t, repeats, warmup,
+                                                    baseline_repeats, dev, seed))
+                        except Exception as exc:   # noqa: BLE001 - reported, not fatal
+                            # the rows already measured stay; no further case is tried
+                            where = f"m={m} d={dd}" + ("" if t is None else f" tau={t}")
+                            skipped[alg] = f"{where}: {_one_line(exc)}"
+                            break
                 bar.update(1)
-    return rows
+            del inputs
+    machine["loadavg_end"] = _loadavg()
+    settings = dict(repeats=repeats, warmup=warmup, baseline_repeats=baseline_repeats, seed=seed)
+    return AggregationBench(rows, skipped, machine, settings)
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -85,71 +217,287 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_report(result: AggregationBench) -> str:
+    """The table, then one line per skipped rule and the machine in one line."""
+    lines = [format_table(result.rows)]
+    for name, why in result.skipped.items():
+        lines.append(f"skipped {name}: {why}")
+    mi = result.machine
+    lines.append(f"machine: {mi['device_name']} ({mi['device']}), {mi['torch_threads']} torch "
+                 f"threads, {mi['affinity_cpus']} usable CPUs, torch {mi['torch_version']}, "
+                 f"load average {mi['loadavg_start'][0]:.2f} -> {mi['loadavg_end'][0]:.2f}")
+    return "\n".join(lines)
+
+
+def write_hdf5(result: AggregationBench, path: str | Path) -> None:
+    """Write ``result`` to ``path`` in the layout of the module docstring (replacing it)."""
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.attrs["benchmark"] = "aggregation"
+        for k, v in {**result.settings, **result.machine}.items():
+            if v is None:
+                continue
+            f.attrs[k] = (np.asarray(v) if isinstance(v, (list, tuple))
+                          else str(v) if isinstance(v, str) else v)   # TorchVersion is a str
+        names = list(result.skipped)
+        f.attrs["skipped_names"] = np.array(names, dtype=h5py.string_dtype())
+        f.attrs["skipped_reasons"] = np.array([result.skipped[n] for n in names],
+                                              dtype=h5py.string_dtype())
+        for name, rows in _groups(result.rows).items():
+            g = f.create_group(name)
+            g.attrs["form"] = rows[0]["form"]
+            g.attrs["tau_applies"] = rows[0]["tau"] is not None
+            g.create_dataset("m", data=np.array([r["m"] for r in rows], dtype=np.int64))
+            g.create_dataset("d", data=np.array([r["d"] for r in rows], dtype=np.int64))
+            g.create_dataset("tau", data=np.array([-1 if r["tau"] is None else r["tau"]
+                                                   for r in rows], dtype=np.int64))
+            for k in ("median_s", "min_s", "max_s", "iqr_s"):
+                g.create_dataset(k, data=np.array([r[k] for r in rows], dtype=np.float64))
+            g.create_dataset("bytes", data=np.array([r["bytes"] for r in rows], dtype=np.int64))
+            if rows[0]["ratio"] is not None:
+                for k in H5_BASELINE_DATASETS:
+                    g.create_dataset(k, data=np.array([r[k] for r in rows], dtype=np.float64))
+
+
+def read_hdf5(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
+    """Read a file of :func:`write_hdf5`: ``({group: {dataset: array}}, root attrs)``.
+
+    Raises:
+        ValueError: not an HDF5 file, or not an aggregation benchmark (with the reason).
+    """
+    import h5py
+
+    try:
+        f = h5py.File(path, "r")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read as HDF5 ({_one_line(exc)})") from None
+    with f:
+        if f.attrs.get("benchmark") != "aggregation":
+            raise ValueError(f"{path}: not an aggregation benchmark (root attribute "
+                             f"benchmark={f.attrs.get('benchmark')!r})")
+        attrs = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in f.attrs.items()}
+        groups = {}
+        for name, g in f.items():
+            missing = [k for k in H5_DATASETS if k not in g]
+            if missing:
+                raise ValueError(f"{path}: group {name!r} lacks datasets {missing}")
+            groups[name] = {k: np.asarray(g[k]) for k in g}
+            groups[name]["form"] = str(g.attrs.get("form", "default"))
+    return groups, attrs
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """``torch.set_num_threads(n)`` inside the block, restored after (None: unchanged).
+
+    Raises:
+        ValueError: n < 1.
+    """
+    if n is None:
+        yield
+        return
+    if int(n) < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def machine_info(dev: torch.device | str = "cpu") -> dict[str, Any]:
+    """What the figures were measured on: CPUs, versions, the device and threads, and the
+    1/5/15-minute load average (other processes sharing the CPUs distort timings)."""
+    dev = torch.device(dev)
+    cpu_model = _cpu_model()
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else cpu_model)
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:          # not on Linux
+        affinity = os.cpu_count() or 0
+    return dict(cpu_count=os.cpu_count() or 0, affinity_cpus=affinity, cpu_model=cpu_model,
+                torch_version=str(torch.__version__), numpy_version=np.__version__,
+                python_version=platform.python_version(), platform=platform.platform(),
+                device=str(dev), device_name=name, torch_threads=torch.get_num_threads(),
+                loadavg_start=_loadavg())
+
+
 # ---- internals -------------------------------------------------------------------------------
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return [float("nan")] * 3
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:300]
+
 
 def _cell(key: str, v) -> str:
     if v is None:
         return "-"
-    if key in ("median_s", "min_s", "max_s"):
+    if key in ("median_s", "min_s", "max_s", "iqr_s"):
         return f"{v:.4g}"
     if key == "ratio":
         return f"{v:.3g}"
     if key == "max_abs_diff":
         return f"{v:.1e}"
+    if key == "bytes":
+        return f"{v / 2**20:.1f}MiB"
     return str(v)
 
 
-def _check_args(algorithms, ms, d, tau, repeats, warmup, device) -> torch.device:
+def _groups(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(BASELINE if r["form"] == "direct" else r["algorithm"], []).append(r)
+    return out
+
+
+def _check_args(algorithms, ms, ds, taus, repeats, warmup, baseline_repeats,
+                device) -> torch.device:
     unknown = [a for a in algorithms if a not in available()]
     if not algorithms or unknown:
         raise ValueError(f"algorithms must be registered names, got {list(algorithms)}; "
                          f"known: {', '.join(available())}")
-    if not ms or any(int(m) < 1 for m in ms) or int(d) < 1:
-        raise ValueError(f"m and d must be >= 1, got m={list(ms)}, d={d}")
-    if tau < 0 or repeats < 1 or warmup < 0:
-        raise ValueError(f"need tau >= 0, repeats >= 1, warmup >= 0; "
-                         f"got {tau}, {repeats}, {warmup}")
-    dev = torch.device(device)
+    if not ms or not ds or any(int(m) < 1 for m in ms) or any(x < 1 for x in ds):
+        raise ValueError(f"m and d must be >= 1, got m={list(ms)}, d={ds}")
+    if not taus or min(taus) < 0 or repeats < 1 or warmup < 0 or baseline_repeats < 1:
+        raise ValueError(f"need tau >= 0, repeats >= 1, warmup >= 0, baseline repeats >= 1; "
+                         f"got {taus}, {repeats}, {warmup}, {baseline_repeats}")
+    return bench_device(device)
+
+
+def bench_device(device: str) -> torch.device:
+    """The torch device a benchmark runs on.
+
+    Raises:
+        ValueError: not ``cpu`` or ``cuda[:N]``, or CUDA asked for but absent.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"bad device {device!r}: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
     return dev
 
 
-def _bench_case(alg, m, d, tau, repeats, warmup, dev, seed) -> list[dict]:
-    history, current = _inputs(m, d, tau, dev, seed)
-    takes_tau = "tau" in inspect.signature(_REGISTRY[alg]).parameters
-    agg = create(alg, seed=seed, **({"tau": tau} if takes_tau else {}))
-    for r in history:
+def _takes(alg: str, param: str) -> bool:
+    return param in inspect.signature(rule(alg)).parameters
+
+
+class _Inputs:
+    """The rounds of one (m, d) case, shared by every rule: ``rounds[t]`` for t = 0..h, the last
+    one timed; stats columns and ids are attached per rule by :meth:`round`."""
+
+    def __init__(self, m: int, d: int, history: int, dev: torch.device, seed: int) -> None:
+        self.m, self.d, self.history, self.dev, self.seed = m, d, history, dev, seed
+        key = int(np.random.SeedSequence([seed, m, d]).generate_state(1)[0])
+        gen = torch.Generator().manual_seed(key)
+        basis = torch.randn(_RANK, d, generator=gen) / math.sqrt(d)
+        self.base: list[dict] = []
+        for _ in range(history + 1):
+            z = torch.randn(m, _RANK, generator=gen)
+            z[:, 0] = 1.0 + 0.3 * z[:, 0]                   # the direction clients share
+            U = z @ basis + 0.1 * torch.randn(m, d, generator=gen) / math.sqrt(d)
+            self.base.append(dict(updates=U.to(dev), losses=1.0 + torch.rand(m, generator=gen),
+                                  num_samples=torch.randint(50, 500, (m,), generator=gen)))
+        self._gen = gen
+        self._state: torch.Tensor | None = None
+
+    def stat(self, name: str, shape: tuple, t: int) -> torch.Tensor:
+        """A stats column (m, *shape) for round t (deterministic in the case's seed)."""
+        if shape == (_STATE_WIDTH,):
+            if self._state is None:         # one (m, d) tensor: rows near the global model
+                g = torch.Generator().manual_seed(self.seed + 1)
+                self._state = (0.01 * torch.randn(self.m, self.d, generator=g)).to(self.dev)
+            return self._state
+        g = torch.Generator().manual_seed(self.seed * 1_000 + t)
+        if name == "constraints":           # c = gap - eps: small, of both signs
+            return (0.1 * torch.rand(self.m, *shape, generator=g) - 0.05).to(self.dev)
+        return torch.rand(self.m, *shape, generator=g).to(self.dev)
+
+    def rounds(self, ex: Extras, fed: int) -> tuple[list[RoundUpdates], int]:
+        """``fed`` history rounds then the timed one (round index ``fed``), and K."""
+        m = self.m
+        K = m if ex.all_clients else (fed + 1) * m
+        out = []
+        for t, base in enumerate(self.base[len(self.base) - fed - 1:]):
+            ids = np.arange(m) if ex.all_clients else np.arange(t * m, (t + 1) * m)
+            stats = {k: self.stat(k, shape, t) for k, shape in ex.stats.items()}
+            r = RoundUpdates(round=t, client_ids=ids, updates=base["updates"],
+                             losses=base["losses"].to(self.dev),
+                             num_samples=base["num_samples"].to(self.dev), lr=0.01, stats=stats)
+            if ex.loss_at:
+                r.loss_at = _loss_probe(r)
+            out.append(r)
+        return out, K
+
+
+def _loss_probe(r: RoundUpdates) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A cheap stand-in for asking the clients their loss at ``w - step``: the quadratic model
+    ``l_k - (u_k . s) / lr + ||s||^2 / (2 lr)`` (first order in the update, with curvature
+    1/lr, minimal at s = u_k), clamped at 0. One GEMV per call; real probes cost a forward
+    pass on every client's data, which this benchmark of the server does not time."""
+    U, losses, lr = r.updates, r.losses, r.lr
+
+    def loss_at(step: torch.Tensor) -> torch.Tensor:
+        step = step.to(U)
+        val = losses - (U @ step) / lr + float(step @ step) / (2 * lr)
+        return val.clamp(min=0).to(torch.float32)
+
+    return loss_at
+
+
+def _bench_case(alg, inputs: _Inputs, tau, repeats, warmup, baseline_repeats, dev,
+                seed) -> list[dict]:
+    ex = EXTRAS.get(alg, Extras())
+    cls = rule(alg)
+    fed = tau if tau is not None else 1
+    rounds, K = inputs.rounds(ex, fed)
+    params = dict(ex.params, seed=seed)
+    if tau is not None:
+        params["tau"] = tau
+    if getattr(cls, "needs_num_clients", False) or _takes(alg, "num_clients"):
+        params["num_clients"] = K
+    agg = cls(**params)
+    history, current = rounds[:-1], rounds[-1]
+    for r in history:                  # as the server does: aggregate, then show the new model
         agg.aggregate(r)
+        agg.observe_params(torch.zeros(inputs.d, device=dev))
     times, step = _time(agg, current, repeats, warmup, dev)
-    base = dict(algorithm=alg, m=m, d=d, tau=tau if takes_tau else None)
+    m, d = inputs.m, inputs.d
+    state_rows = sum(m for shape in ex.stats.values() if shape == (_STATE_WIDTH,))
+    hist_rows = tau * m if tau is not None else 0
+    base = dict(algorithm=alg, m=m, d=d, tau=tau, bytes=4 * d * (m + hist_rows + state_rows))
     if alg != "fedfv":
         return [_row(base, "default", times, None, None)]
     direct = DirectFedFV(alpha=agg.alpha, tau=agg.tau, order=agg.order,
                          external_window=agg.external_window, seed=seed)
     for r in history:
         direct.observe(r)      # same history as aggregating those rounds, without the cost
-    d_times, d_step = _time(direct, current, repeats, warmup, dev)
+    d_times, d_step = _time(direct, current, baseline_repeats, warmup, dev)
     ratio = statistics.median(d_times) / statistics.median(times)
     diff = float((step - d_step).abs().max())
     return [_row(base, "gram", times, ratio, diff), _row(base, "direct", d_times, 1.0, 0.0)]
-
-
-def _inputs(m: int, d: int, tau: int, dev: torch.device, seed: int):
-    """``tau`` history rounds of distinct clients, then the timed round ``tau``."""
-    key = int(np.random.SeedSequence([seed, m, d]).generate_state(1)[0])
-    gen = torch.Generator().manual_seed(key)
-    basis = torch.randn(_RANK, d, generator=gen) / math.sqrt(d)
-    rounds = []
-    for t in range(tau + 1):
-        z = torch.randn(m, _RANK, generator=gen)
-        z[:, 0] = 1.0 + 0.3 * z[:, 0]                   # the direction clients share
-        U = z @ basis + 0.1 * torch.randn(m, d, generator=gen) / math.sqrt(d)
-        rounds.append(RoundUpdates(
-            round=t, client_ids=np.arange(t * m, (t + 1) * m), updates=U.to(dev),
-            losses=1.0 + torch.rand(m, generator=gen),
-            num_samples=torch.randint(50, 500, (m,), generator=gen), lr=0.01))
-    return rounds[:-1], rounds[-1]
 
 
 def _time(agg, r: RoundUpdates, repeats: int, warmup: int, dev: torch.device):
@@ -172,7 +520,15 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def _iqr(times: list[float]) -> float:
+    if len(times) < 2:
+        return 0.0
+    q = statistics.quantiles(times, n=4, method="inclusive")
+    return q[2] - q[0]
+
+
 def _row(base: dict, form: str, times: list[float], ratio, diff) -> dict:
     row = dict(base, form=form, median_s=statistics.median(times), min_s=min(times),
-               max_s=max(times), ratio=ratio, max_abs_diff=diff)
+               max_s=max(times), iqr_s=_iqr(times), ratio=ratio, max_abs_diff=diff)
     return {k: row[k] for k in COLUMNS}
+

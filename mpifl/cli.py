@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from mpifl import __version__
+from mpifl.allocator import keep_large_blocks
 from mpifl.errors import MpiflError
 from mpifl.sweep import add_sweep_parser, report_sweep
 
@@ -69,19 +70,50 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from mpifl.bench import bench_aggregation, format_table
+    """``mpifl bench aggregation|simulate``: a table on stdout, or one JSON object (--json)."""
+    if args.bench == "simulate":
+        from mpifl.simbench import bench_simulate, format_simulate
 
-    try:
-        rows = bench_aggregation(args.algorithms.split(","), args.m, args.d, tau=args.tau,
-                                 repeats=args.repeats, warmup=args.warmup, device=args.device,
+        try:
+            res = bench_simulate(config=args.config, overrides=args.set,
+                                 clients_per_round=args.clients, batch_size=args.batch_size,
+                                 epochs=args.epochs, rounds=args.rounds, model=args.model,
+                                 device=args.device, threads=args.threads,
                                  progress=not args.json)
+        except ValueError as exc:  # bad arguments, found before any timing
+            raise MpiflError(f"bench simulate: {exc}") from None
+        print(json.dumps(res) if args.json else format_simulate(res))
+        return 0
+
+    from mpifl.bench import bench_aggregation, format_report, write_hdf5
+
+    if args.out is not None:
+        _check_bench_out(args.out)
+    algorithms = None if args.algorithms == "all" else args.algorithms.split(",")
+    try:
+        res = bench_aggregation(algorithms, args.m, args.d, tau=args.tau, repeats=args.repeats,
+                                warmup=args.warmup, baseline_repeats=args.baseline_repeats,
+                                device=args.device, threads=args.threads,
+                                progress=not args.json)
     except ValueError as exc:  # bad arguments, found before any timing
         raise MpiflError(f"bench aggregation: {exc}") from None
+    if args.out is not None:
+        write_hdf5(res, args.out)
     if args.json:
-        print(json.dumps({"benchmark": "aggregation", "device": args.device, "rows": rows}))
+        print(json.dumps(res.to_json()))
     else:
-        print(format_table(rows))
+        print(format_report(res))
+        if args.out is not None:
+            print(f"wrote {args.out}")
     return 0
+
+
+def _check_bench_out(path: str) -> None:
+    """Refuse, before any timing, an output whose folder is missing or not writable."""
+    folder = Path(path).resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise MpiflError(f"bench aggregation: cannot write {path}: folder {folder} does not "
+                         f"exist or is not writable")
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
@@ -126,16 +158,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bsub = b.add_subparsers(dest="bench", required=True)
-    ba = bsub.add_parser("aggregation", help="aggregate() time; FedFV Gram form vs direct form")
-    ba.add_argument("--algorithms", default="fedfv", help="comma-separated (default fedfv)")
+    ba = bsub.add_parser("aggregation", help="aggregate() time of every rule over m, d, tau; "
+                                             "FedFV Gram form vs direct form")
+    ba.add_argument("--algorithms", default="all",
+                    help="comma-separated registered names, or all (default)")
     ba.add_argument("--m", type=_csv_ints, default=[10, 60, 200], help="clients per round, e.g. 10,60,200")
-    ba.add_argument("--d", type=int, default=199210, help="model size (default: MLP 200-200 on FMNIST)")
-    ba.add_argument("--tau", type=int, default=1, help="rounds of FedFV history")
-    ba.add_argument("--repeats", type=int, default=5)
-    ba.add_argument("--warmup", type=int, default=1)
+    ba.add_argument("--d", type=_csv_ints, default=[199210],
+                    help="model size(s), e.g. 10000,199210 (default: MLP 200-200 on FMNIST)")
+    ba.add_argument("--tau", type=_csv_ints, default=[1],
+                    help="history length(s) for rules that take tau (default 1)")
+    ba.add_argument("--repeats", type=int, default=5, help="timed calls per case (median)")
+    ba.add_argument("--warmup", type=int, default=1, help="untimed calls first")
+    ba.add_argument("--baseline-repeats", type=int, default=None,
+                    help="timed calls of the slow direct FedFV (default: --repeats)")
     ba.add_argument("--device", default="cpu")
+    ba.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ba.add_argument("--out", help="also write the results to this HDF5 file (replaced)")
     ba.add_argument("--json", action="store_true", help="print one JSON object")
     ba.set_defaults(func=cmd_bench)
+
+    bs = bsub.add_parser("simulate", help="local training: vectorised trainer vs per-client "
+                                          "sequential loop, same workload, same run")
+    bs.add_argument("--config", help="TOML experiment file for data, model and client settings "
+                                     "(default: jobs/fmnist-fedfv.toml's)")
+    bs.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override a config value; repeatable")
+    bs.add_argument("--clients", type=int, default=100, help="clients per round (default 100)")
+    bs.add_argument("--batch-size", type=int, default=None, help="B (default: the config's, 50)")
+    bs.add_argument("--epochs", type=int, default=None, help="E (default: the config's, 1)")
+    bs.add_argument("--rounds", type=int, default=3, help="timed rounds per path (default 3)")
+    bs.add_argument("--model", default=None, help="model name (default: the config's, mlp)")
+    bs.add_argument("--device", default="cpu")
+    bs.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    bs.add_argument("--json", action="store_true", help="print one JSON object")
+    bs.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("data", help="datasets")
     dsub = d.add_subparsers(dest="data", required=True)
@@ -151,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
+    keep_large_blocks()  # before the first big tensor: per-step buffers then reuse the heap
     try:
         return args.func(args)
     except MpiflError as exc:

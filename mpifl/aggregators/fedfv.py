@@ -227,16 +227,29 @@ class FedFV(Aggregator):
             b.latest &= ~np.isin(b.ids, ids)
 
     def _push(self, r: RoundUpdates) -> None:
-        """Store the current round if a later round can use it, and drop what none can."""
+        """Store the current round if a later round can use it, and drop what none can.
+
+        The round is copied (the server may reuse its gather buffer for the next round) into
+        the rows of a block being dropped when one has the same shape: a fresh (m, d)
+        allocation pays its page faults every round (a third of the call at m = 60,
+        d = 199,210 on the 2-core VM).
+        """
         self._last_round = r.round
         # a later round t' uses stored rounds >= t' - tau (paper) or >= t' - tau + 1 (flgo)
         keep = self.tau if self.external_window == "paper" else self.tau - 1
+
+        def alive(b: _Block) -> bool:
+            return b.round > r.round - keep and b.latest.any()
+
         if keep > 0:
-            # a copy: the server may reuse its gather buffer for the next round
-            self._blocks.append(_Block(r.round, r.client_ids.copy(), r.updates.clone(),
+            U = r.updates
+            spare = next((b.updates for b in self._blocks if not alive(b)
+                          and b.updates.shape == U.shape and b.updates.dtype == U.dtype
+                          and b.updates.device == U.device), None)
+            rows = U.clone() if spare is None else spare.copy_(U)
+            self._blocks.append(_Block(r.round, r.client_ids.copy(), rows,
                                        np.ones(r.m, dtype=bool)))
-        self._blocks = [b for b in self._blocks
-                        if b.round > r.round - keep and b.latest.any()]
+        self._blocks = [b for b in self._blocks if alive(b)]
 
     def _window(self, r: RoundUpdates) -> list[tuple[torch.Tensor, np.ndarray]]:
         """The (rows, latest) blocks of Algorithm 3, oldest round first."""
