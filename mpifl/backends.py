@@ -50,6 +50,16 @@ def evaluate(trainer, w: torch.Tensor, idx, groups) -> tuple[np.ndarray, np.ndar
     return acc, loss, counts.reshape(len(idx), -1)
 
 
+def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:
+    """A trainer's statistics in the shapes :func:`split_stats` gives (float32, (m,) when the
+    width is 1, else (m, width)), without gathering them into one buffer first."""
+    out = {}
+    for name, width in columns.stats:
+        col = stats[name].reshape(m, width).float()
+        out[name] = col[:, 0] if width == 1 else col
+    return out
+
+
 def split_stats(columns, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Cut gathered (m, S) statistics rows into the named columns ((m,) when the width is 1)."""
     out, at = {}, 0
@@ -83,8 +93,7 @@ class LocalClients:
         t0 = time.perf_counter()
         idx = [self.fed.train_indices(k) for k in client_ids]
         updates, losses, stats = self.trainer.run_round(w, rnd, lr, client_ids, idx, inputs, state)
-        cols = self.trainer.columns
-        stats = split_stats(cols, stats_rows(cols, stats, len(client_ids)))
+        stats = shape_stats(self.trainer.columns, stats, len(client_ids))
         rss = float(peak_rss_bytes())
         return TrainResult(updates, losses, stats, 0.0, time.perf_counter() - t0, 0.0, 0, rss, rss)
 

@@ -251,7 +251,7 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
     rule = aggregators.rule(cfg.server.algorithm)
     if rule.needs_num_clients:
         params["num_clients"] = parts.fed.num_clients
-    if getattr(rule, "needs_num_groups", False):  # mFairFL: its multipliers are per group
+    if rule.needs_num_groups:
         groups = group_setup(parts.fed, torch.device("cpu"))
         params["num_groups"] = groups[1] if groups else 0
     aggregator = aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)

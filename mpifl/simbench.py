@@ -10,7 +10,7 @@ per round. Each timed round trains the same m clients from the same global param
   ``vmap(grad)`` step for all clients of a chunk per step index, padded minibatches);
 - **sequential**: :func:`sequential_train`, what other simulators do — one client at a time,
   a ``torch.optim.SGD`` on one ``nn.Module``, the same minibatch order
-  (:func:`mpifl.clients.trainer.batch_order`).
+  (:func:`mpifl.clients.trainer.client_minibatches`).
 
 Both report the updates ``u_k = w - w_k`` and each client's loss of w before training; their
 largest difference is printed (they must agree to float rounding). The round's w then moves by
@@ -44,7 +44,7 @@ from torch.nn.utils import parameters_to_vector
 from tqdm.auto import tqdm
 
 from mpifl.bench import bench_device, machine_info, torch_threads
-from mpifl.clients.trainer import VmapTrainer, batch_order
+from mpifl.clients.trainer import VmapTrainer, client_minibatches
 
 #: the main job, the default base of the workload (when the repository's jobs/ is at hand)
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "fmnist-fedfv.toml"
@@ -60,7 +60,7 @@ def sequential_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torc
 
     Same contract as :meth:`mpifl.clients.VmapTrainer.train`: client ``client_ids[i]`` trains
     for ``epochs`` epochs of minibatches of ``batch_size`` (0: full batch) in the order of
-    :func:`~mpifl.clients.trainer.batch_order`, starting from w; ``model`` is overwritten
+    :func:`~mpifl.clients.trainer.client_minibatches`, starting from w; ``model`` is overwritten
     (its parameters are set from w for every client).
 
     Returns:
@@ -75,17 +75,11 @@ def sequential_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torc
             _load(params, w)              # copies (vector_to_parameters would alias w)
             losses.append(F.cross_entropy(model(x[idx]), y[idx]))
         opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-        n = len(idx)
-        size = n if batch_size == 0 else batch_size
-        for epoch in range(epochs):
-            order = (np.arange(n) if batch_size == 0
-                     else batch_order(seed, round, int(cid), epoch, n))
-            order = torch.as_tensor(order, device=x.device)
-            for start in range(0, n, size):
-                batch = idx[order[start:start + size]]
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x[batch]), y[batch]).backward()
-                opt.step()
+        for pos in client_minibatches(seed, round, int(cid), len(idx), epochs, batch_size):
+            batch = idx[torch.as_tensor(pos, device=x.device)]
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            opt.step()
         with torch.no_grad():
             updates.append(w - parameters_to_vector(params))
     return torch.stack(updates), torch.stack(losses).float()

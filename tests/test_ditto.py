@@ -16,7 +16,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from mpifl.aggregators import RoundUpdates, create, rule
 from mpifl.cli import main
-from mpifl.clients import TRAINERS, DittoTrainer, VmapTrainer, batch_order
+from mpifl.clients import TRAINERS, DittoTrainer, VmapTrainer, client_minibatches
 from mpifl.config import load_config
 from mpifl.models import ParamLayout, build_model
 from tests.helpers import h5_round_trip, write_fmnist_job
@@ -43,19 +43,15 @@ def oracle_ditto(model, x, y, w, V, *, round, lr, lam, client_ids, sample_idx, e
                                 weight_decay=weight_decay)
         opt_p = torch.optim.SGD(pers.parameters(), lr=lr, momentum=momentum,
                                 weight_decay=weight_decay)
-        n = len(idx)
-        size = n if batch_size == 0 else batch_size
-        for epoch in range(epochs):
-            order = np.arange(n) if batch_size == 0 else batch_order(seed, round, cid, epoch, n)
-            for start in range(0, n, size):
-                batch = idx[order[start:start + size]]
-                opt_p.zero_grad()
-                prox = (parameters_to_vector(pers.parameters()) - w).pow(2).sum()
-                (F.cross_entropy(pers(x[batch]), y[batch]) + lam / 2 * prox).backward()
-                opt_p.step()
-                opt_g.zero_grad()
-                F.cross_entropy(glob(x[batch]), y[batch]).backward()
-                opt_g.step()
+        for pos in client_minibatches(seed, round, cid, len(idx), epochs, batch_size):
+            batch = idx[pos]
+            opt_p.zero_grad()
+            prox = (parameters_to_vector(pers.parameters()) - w).pow(2).sum()
+            (F.cross_entropy(pers(x[batch]), y[batch]) + lam / 2 * prox).backward()
+            opt_p.step()
+            opt_g.zero_grad()
+            F.cross_entropy(glob(x[batch]), y[batch]).backward()
+            opt_g.step()
         updates.append(w - parameters_to_vector(glob.parameters()).detach())
         personal.append(parameters_to_vector(pers.parameters()).detach())
     return torch.stack(updates), torch.stack(personal), torch.stack(losses)

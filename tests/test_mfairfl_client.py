@@ -20,7 +20,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from mpifl import aggregators, fairness
 from mpifl.aggregators.mfairfl import MFairFL
 from mpifl.cli import main
-from mpifl.clients import TRAINERS, LagrangianTrainer, VmapTrainer, batch_order
+from mpifl.clients import TRAINERS, LagrangianTrainer, VmapTrainer, client_minibatches
 from mpifl.config import load_config
 from mpifl.models import ParamLayout, build_model
 from mpifl.store import MEASURED_COLUMNS
@@ -75,15 +75,11 @@ def oracle_round(model, x, y, s, w, lam, *, notion, eps, num_groups, round, lr, 
             losses.append(F.cross_entropy(out, y[idx]) + (lam * c).sum())
             cons.append(c)
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-        n = len(idx)
-        size = n if batch_size == 0 else batch_size
-        for epoch in range(epochs):
-            order = np.arange(n) if batch_size == 0 else batch_order(seed, round, cid, epoch, n)
-            for start in range(0, n, size):
-                b = idx[order[start:start + size]]
-                opt.zero_grad()
-                direct_lagrangian(net, x[b], y[b], s[b], lam, notion, num_groups, eps).backward()
-                opt.step()
+        for pos in client_minibatches(seed, round, cid, len(idx), epochs, batch_size):
+            b = idx[pos]
+            opt.zero_grad()
+            direct_lagrangian(net, x[b], y[b], s[b], lam, notion, num_groups, eps).backward()
+            opt.step()
         updates.append(w - parameters_to_vector(net.parameters()).detach())
     return torch.stack(updates), torch.stack(losses), torch.stack(cons)
 

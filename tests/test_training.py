@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from mpifl.clients import VmapTrainer, batch_order
+from mpifl.clients import VmapTrainer, batch_order, client_minibatches
 from mpifl.models import ParamLayout, build_model
 
 ATOL = 1e-5
@@ -28,18 +28,14 @@ def oracle_train(model, x, y, w, *, round, lr, client_ids, sample_idx, epochs, b
         with torch.no_grad():
             losses.append(F.cross_entropy(net(x[idx]), y[idx]))
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-        n = len(idx)
-        size = n if batch_size == 0 else batch_size
-        for epoch in range(epochs):
-            order = np.arange(n) if batch_size == 0 else batch_order(seed, round, cid, epoch, n)
-            for start in range(0, n, size):
-                batch = idx[order[start:start + size]]
-                opt.zero_grad()
-                loss = F.cross_entropy(net(x[batch]), y[batch])
-                if prox_mu:
-                    loss = loss + prox_mu / 2 * (parameters_to_vector(net.parameters()) - w).pow(2).sum()
-                loss.backward()
-                opt.step()
+        for pos in client_minibatches(seed, round, cid, len(idx), epochs, batch_size):
+            batch = idx[pos]
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x[batch]), y[batch])
+            if prox_mu:
+                loss = loss + prox_mu / 2 * (parameters_to_vector(net.parameters()) - w).pow(2).sum()
+            loss.backward()
+            opt.step()
         updates.append(w - parameters_to_vector(net.parameters()).detach())
     return torch.stack(updates), torch.stack(losses)
 
@@ -103,6 +99,16 @@ def assert_same(got, want):
 
 
 # --------------------------------------------------------------------------- batch order
+
+
+def test_client_minibatches_cover_each_epoch_in_batch_order():
+    batches = list(client_minibatches(1, 2, 3, 23, 2, 10))
+    assert [len(b) for b in batches] == [10, 10, 3, 10, 10, 3]
+    for epoch in range(2):
+        got = np.concatenate(batches[3 * epoch:3 * epoch + 3])
+        assert np.array_equal(got, batch_order(1, 2, 3, epoch, 23))
+    full = list(client_minibatches(1, 2, 3, 5, 3, 0))
+    assert len(full) == 3 and all(np.array_equal(b, np.arange(5)) for b in full)
 
 
 def test_batch_order_is_a_keyed_permutation():

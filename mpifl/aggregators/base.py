@@ -204,6 +204,9 @@ class Aggregator:
     trainer_kind: ClassVar[str] = "sgd"
     #: True for rules followed by FedMeta's server-side meta step (:mod:`mpifl.meta`).
     meta_step: ClassVar[bool] = False
+    #: True for rules whose state is per sensitive group (mFairFL's multipliers): the server
+    #: then passes ``num_groups=G`` of the data to the constructor.
+    needs_num_groups: ClassVar[bool] = False
     #: True for rules that keep a personal model per client (:meth:`personal_params`).
     personal_models: ClassVar[bool] = False
 

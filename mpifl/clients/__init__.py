@@ -5,7 +5,7 @@ and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019) and
 :mod:`mpifl.clients.mfairfl` (mFairFL's Lagrangian local training, Su et al. 2024).
 """
 
-from mpifl.clients.trainer import Columns, VmapTrainer, batch_order
+from mpifl.clients.trainer import Columns, VmapTrainer, batch_order, client_minibatches
 from mpifl.clients.ditto import DittoTrainer
 from mpifl.clients.mfairfl import LagrangianTrainer
 from mpifl.clients.uga import UGATrainer
@@ -15,4 +15,4 @@ TRAINERS = {"sgd": VmapTrainer, "uga": UGATrainer, "mfairfl": LagrangianTrainer,
             "ditto": DittoTrainer}
 
 __all__ = ["TRAINERS", "Columns", "DittoTrainer", "LagrangianTrainer", "UGATrainer", "VmapTrainer",
-           "batch_order"]
+           "batch_order", "client_minibatches"]

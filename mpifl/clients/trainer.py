@@ -48,6 +48,22 @@ def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int) -> np
     return rng.permutation(int(n)).astype(np.int64, copy=False)
 
 
+def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
+                       batch_size: int):
+    """SPEC §1's minibatches of one client in one round, for per-client loops (the oracles
+    and the sequential baseline of ``mpifl bench simulate``).
+
+    Yields (b,) int64 positions into the client's n samples: E epochs, each in
+    :func:`batch_order` cut into runs of ``batch_size`` (the last may be shorter); one batch of
+    all n in order per epoch when ``batch_size`` is 0.
+    """
+    size = n if batch_size == 0 else batch_size
+    for epoch in range(epochs):
+        order = np.arange(n) if batch_size == 0 else batch_order(seed, round, client_id, epoch, n)
+        for start in range(0, n, size):
+            yield order[start:start + size]
+
+
 @dataclass(frozen=True)
 class Columns:
     """What a trainer exchanges with the server per round besides updates and losses.
