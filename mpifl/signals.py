@@ -29,4 +29,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum, _frame) -> None:
-        self.reason = signal.Signals(signum).name
+        # keep the first: under srun a requeue sends SIGTERM to the ranks and the sweep job
+        # forwards SIGUSR1 as well, and the log should name what started the stop
+        if self.reason is None:
+            self.reason = signal.Signals(signum).name

@@ -253,3 +253,20 @@ def test_resume_of_a_foreign_or_missing_run_is_a_clear_error(tmp_path):
                       (tmp_path / "none.h5", "no such run to resume")]:
         proc = run(1, "resume", str(path), code=2)
         assert msg in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_stop_request_names_the_first_signal():
+    """A requeue under srun delivers SIGTERM and then the sweep job's forwarded SIGUSR1: the
+    log must name the first, and a second signal must not undo the request."""
+    from mpifl.signals import StopRequest
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        stop = StopRequest().install()
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested and stop.reason == "SIGTERM"
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
