@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from mpifl.clients import VmapTrainer, batch_order, client_minibatches
+from mpifl.clients.trainer import step_widths
 from mpifl.models import ParamLayout, build_model
 
 ATOL = 1e-5
@@ -165,6 +166,19 @@ def test_very_unequal_sample_counts(batch_size, weight_decay):
     model, layout, x, y, idx = setup(sizes=(3, 17, 50, 101))
     assert_same(*run_both(model, layout, x, y, idx, epochs=2, batch_size=batch_size,
                           weight_decay=weight_decay)[:2])
+
+
+def test_steps_drop_columns_that_are_padding_in_every_client():
+    # sizes 12 and 7, B = 5, E = 2: steps of (5, 5, 2, 5, 5, 2) and (5, 2, 5, 2) real samples;
+    # only the last step is padding beyond 2 columns in both clients
+    model, layout, x, y, idx = setup(sizes=(12, 7))
+    trainer = VmapTrainer(model, layout, x, y, epochs=2, batch_size=5)
+    _, weights, steps = trainer._schedule(0, np.array([0, 1]), np.array([12, 7]))
+    assert weights.shape == (2, 6, 5) and steps.tolist() == [6, 4]
+    assert step_widths(weights).tolist() == [5, 5, 5, 5, 5, 2]
+    assert step_widths(np.zeros((2, 1, 4))).tolist() == [1]
+    # the trimmed steps give the per-client oracle's updates
+    assert_same(*run_both(model, layout, x, y, idx, epochs=2, batch_size=5)[:2])
 
 
 def test_softmax_output_double_softmax():

@@ -64,6 +64,16 @@ def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: in
             yield order[start:start + size]
 
 
+def step_widths(weights: np.ndarray) -> np.ndarray:
+    """Per step index, how many leading minibatch positions hold a real sample in some client.
+
+    ``weights`` (m, T, Bp) 0/1 from :meth:`VmapTrainer._schedule` (real samples first in each
+    padded minibatch). Returns (T,) int64 >= 1: a step may drop the columns past this width,
+    which are padding in every client (e.g. everyone's short last minibatch), exactly.
+    """
+    return np.maximum((weights > 0).sum(axis=2).max(axis=0), 1).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class Columns:
     """What a trainer exchanges with the server per round besides updates and losses.
@@ -394,10 +404,12 @@ class VmapTrainer:
         anchor = list(self.layout.unflatten(w).values())  # the round's global params, per tensor
         mu = self.prox_mu if prox_mu is None else float(prox_mu)
         buf: list[Tensor] | None = None
+        widths = step_widths(weights_np)
         for t in range(rows.shape[1]):
-            rt = rows[:, t]
-            extras = self._batch_extras(sample_rows[:, t]) if self._has_extras else ()
-            grads = list(self._step_grad(params, xs[rt], ys[rt], *extras, weights[:, t]).values())
+            b = int(widths[t])  # columns that are padding in every client cost nothing
+            rt = rows[:, t, :b]
+            extras = self._batch_extras(sample_rows[:, t, :b]) if self._has_extras else ()
+            grads = list(self._step_grad(params, xs[rt], ys[rt], *extras, weights[:, t, :b]).values())
             if mu:  # gradient of (mu/2)||w_k - w||^2 joins the loss gradient
                 torch._foreach_add_(grads, torch._foreach_sub(views, anchor), alpha=mu)
             masked = bool(steps_np.min() <= t)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
-from mpifl.clients.trainer import VmapTrainer
+from mpifl.clients.trainer import VmapTrainer, step_widths
 from mpifl.models import ParamLayout
 
 # The estimate below is deliberately conservative: measured by peak RSS on CPU (torch 2.13), an
@@ -224,7 +224,7 @@ class UGATrainer(VmapTrainer):
         weights = torch.as_tensor(weights_np, device=self.device)
 
         def trace(flat: Tensor) -> Tensor:
-            return self._trace(flat, xs, ys, rows, weights, steps_np, lr)
+            return self._trace(flat, xs, ys, rows, weights, steps_np, step_widths(weights_np), lr)
 
         w_k, pullback = vjp(trace, w0)
         v = self._full_grad(w_k.detach(), xs, ys, full_rows, full_w, count)
@@ -237,7 +237,7 @@ class UGATrainer(VmapTrainer):
         return self.x.device == self.device
 
     def _trace(self, flat: Tensor, xs: Tensor, ys: Tensor, rows: Tensor, weights: Tensor,
-               steps_np: np.ndarray, lr: float) -> Tensor:
+               steps_np: np.ndarray, widths: np.ndarray, lr: float) -> Tensor:
         """The traced local SGD of a chunk, ``(m, d) -> (m, d)``: out-of-place updates (so the
         trace is differentiable), otherwise step for step VmapTrainer's ``_sgd_step``."""
         m = flat.shape[0]
@@ -246,8 +246,9 @@ class UGATrainer(VmapTrainer):
         steps = torch.as_tensor(steps_np, device=self.device)
         buf: list[Tensor] | None = None
         for t in range(rows.shape[1]):
-            rt = rows[:, t]
-            g = self._step_grad(dict(zip(names, params)), xs[rt], ys[rt], weights[:, t])
+            b = int(widths[t])
+            rt = rows[:, t, :b]
+            g = self._step_grad(dict(zip(names, params)), xs[rt], ys[rt], weights[:, t, :b])
             grads = [g[n] for n in names]
             if self.weight_decay:
                 grads = [gi + self.weight_decay * p for gi, p in zip(grads, params)]
