@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from mpifl.aggregators import RoundUpdates, available, rule
@@ -289,7 +290,9 @@ def read_hdf5(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], dict[
 
 @contextlib.contextmanager
 def torch_threads(n: int | None):
-    """``torch.set_num_threads(n)`` inside the block, restored after (None: unchanged).
+    """Torch's threads and the BLAS threads of numpy (which computes the Gram matrices on the
+    CPU, :func:`mpifl.aggregators.gram.gram`) set to n inside the block, restored after
+    (None: unchanged).
 
     Raises:
         ValueError: n < 1.
@@ -302,7 +305,8 @@ def torch_threads(n: int | None):
     old = torch.get_num_threads()
     torch.set_num_threads(int(n))
     try:
-        yield
+        with threadpool_limits(limits=int(n), user_api="blas"):
+            yield
     finally:
         torch.set_num_threads(old)
 

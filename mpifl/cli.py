@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--baseline-repeats", type=int, default=None,
                     help="timed calls of the slow direct FedFV (default: --repeats)")
     ba.add_argument("--device", default="cpu")
-    ba.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ba.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     ba.add_argument("--out", help="also write the results to this HDF5 file (replaced)")
     ba.add_argument("--json", action="store_true", help="print one JSON object")
     ba.set_defaults(func=cmd_bench)
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--rounds", type=int, default=3, help="timed rounds per path (default 3)")
     bs.add_argument("--model", default=None, help="model name (default: the config's, mlp)")
     bs.add_argument("--device", default="cpu")
-    bs.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    bs.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     bs.add_argument("--json", action="store_true", help="print one JSON object")
     bs.set_defaults(func=cmd_bench)
 

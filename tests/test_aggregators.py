@@ -8,6 +8,7 @@ import torch
 
 from mpifl.aggregators import Aggregator, RoundUpdates, available, base, create, register
 from mpifl.aggregators.fedavg import FedAvg
+from mpifl.aggregators.gram import gram
 
 
 def round_updates(m=4, d=6, **over):
@@ -160,3 +161,21 @@ def test_fedprox_aggregates_as_fedavg_and_asks_for_the_proximal_term():
     assert rule("fedavg").client_options(weighting="samples") == {}
     with pytest.raises(ValueError, match="mu must be >= 0"):
         create("fedprox", mu=-1.0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # numpy's syrk on one thread, else torch's GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gram_is_every_pairwise_dot_product(dtype, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    X = torch.randn(7, 3001, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    G = gram(X)
+    assert G.shape == (7, 7) and G.dtype == np.float64
+    want = np.array([[float(torch.dot(a.double(), b.double())) for b in X] for a in X])
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    np.testing.assert_allclose(G, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(G, G.T, rtol=tol, atol=tol)  # syrk computes one triangle
+    # a column slice (FedLF's layers) and a tensor that requires grad
+    part = X[:, 100:250]
+    np.testing.assert_allclose(gram(part), (part.double() @ part.double().T).numpy(),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(gram(X.clone().requires_grad_()), want, rtol=tol, atol=tol)

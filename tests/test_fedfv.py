@@ -51,10 +51,19 @@ def rel(a, b):
     return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def torch_threads(request):
+    """Both Gram products of mpifl.aggregators.gram: numpy's syrk (one thread), torch's GEMM."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 @pytest.mark.parametrize("alpha,tau,order,window",
                          list(itertools.product(ALPHAS, TAUS, ORDERS, WINDOWS)))
-def test_gram_equals_direct(alpha, tau, order, window, dtype, tol):
+def test_gram_equals_direct(alpha, tau, order, window, dtype, tol, torch_threads):
     params = dict(alpha=alpha, tau=tau, order=order, external_window=window, seed=5)
     gram, direct = create("fedfv", **params), DirectFedFV(**params)
     no_hist = create("fedfv", **{**params, "tau": 0})

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
+from mpifl.aggregators.gram import gram
 
 ORDERS = ("loss", "random", "reverse")
 WINDOWS = ("paper", "flgo")
@@ -142,7 +143,7 @@ class FedFV(Aggregator):
         kept[po[m - num_kept(m, self.alpha):]] = True
         # the only O(m^2 d) work; the m x m recursion then runs in float64 on the CPU (O(m^3),
         # no kernel launch per target), so reordering the sums costs no accuracy
-        G = (U @ U.T).to(torch.float64).cpu().numpy()
+        G = gram(U)
         C = internal_coefficients(G, po, kept)
         a = (1.0 - C.sum(axis=0)) / m                # g = (1/m) 1^T (I - C) U
         g = torch.as_tensor(a, dtype=U.dtype, device=U.device) @ U

@@ -74,6 +74,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
+from mpifl.aggregators.gram import gram
 from mpifl.aggregators.qp import solve_simplex_qp
 
 ZERO_TOL = 1e-8          # d_l is zero when ||d_l|| <= ZERO_TOL * mu_l (see the module docstring)
@@ -164,7 +165,7 @@ def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | N
     if h.shape != (m,):
         raise ValueError(f"fedlf: {h.size} losses for {m} clients")
     X = X.to(torch.float64)             # one upcast (n D 8 bytes), shared by Grams and d
-    grams = [(X[:, s] @ X[:, s].T).cpu().numpy() for s in slices]
+    grams = [gram(X[:, s]) for s in slices]
     groups: list[list[int]] = [[i] for i in range(len(slices))]
     solved: list[GroupSolution | None] = [None] * len(groups)
     d = torch.zeros(X.shape[1], dtype=torch.float64, device=X.device)

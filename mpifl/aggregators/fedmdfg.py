@@ -89,6 +89,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
+from mpifl.aggregators.gram import gram
 from mpifl.aggregators.qp import solve_simplex_qp
 
 LIVE_TOL = 1e-6          # a client is live when ||g_k|| > LIVE_TOL (absolute, reference code)
@@ -208,7 +209,7 @@ class FedMDFG(Aggregator):
             rows.append(self._last_rows.to(device=U.device, dtype=U.dtype)[
                 torch.as_tensor(hist, device=U.device)])
         X = torch.cat(rows).to(torch.float64)
-        K = (X @ X.T).cpu().numpy()                             # the one GEMM in
+        K = gram(X)                                             # the one O(n^2 d) product
         norms = np.sqrt(np.clip(np.diag(K), 0.0, None))
         live = np.flatnonzero(norms[:m] / r.lr > LIVE_TOL)
         self.last_live = r.client_ids[live]

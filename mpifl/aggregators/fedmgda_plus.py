@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.gram import gram
 from mpifl.aggregators.qp import solve_simplex_qp
 
 NORM_EPS = 1e-8
@@ -62,7 +63,7 @@ class FedMGDAPlus(Aggregator):
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """(d,) step in the dtype and on the device of ``r.updates``."""
         U = r.updates
-        G = (U @ U.T).to(torch.float64).cpu().numpy()           # the only O(m^2 d) work
+        G = gram(U)  # the only O(m^2 d) work
         c = self.coefficients(r, G)
         return torch.as_tensor(c, dtype=U.dtype, device=U.device) @ U
 

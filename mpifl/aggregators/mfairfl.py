@@ -62,6 +62,7 @@ from mpifl import fairness
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order,
                                     register)
 from mpifl.aggregators.fedfv import projection_order
+from mpifl.aggregators.gram import gram
 
 NOTIONS = ("dp", "eo", "ap")
 #: the goal the GradVac rule aims at is at most this (a goal of 1 needs an infinite step)
@@ -265,7 +266,7 @@ class MFairFL(Aggregator):
             goals = np.zeros(m * m)
             goals[found] = self._values[pos[found]]
             goals = goals.reshape(m, m)
-            G = (U @ U.T).to(torch.float64).cpu().numpy()   # the only O(m^2 d) work
+            G = gram(U)  # the only O(m^2 d) work
             C, phi, visited = curation_coefficients(G, po, adjusted, goals)
             self._store(keys[visited], (1.0 - self.beta) * goals[visited]
                         + self.beta * phi[visited])
