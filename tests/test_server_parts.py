@@ -78,3 +78,17 @@ def test_split_by_samples_balances_contiguous_blocks():
 
 def test_eval_schedule():
     assert [r for r in range(10) if eval_due(r, 10, 4)] == [3, 7, 9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_accepted_rejects_non_finite_and_too_large_updates(dtype):
+    from mpifl.faults import accepted
+
+    U = torch.randn(6, 1000, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    U[1, 7], U[2, 999], U[3, 0] = float("nan"), float("inf"), float("-inf")
+    U[4] *= 100.0                                   # finite but long
+    U[5] = torch.finfo(dtype).max                   # finite extremes are finite
+    U[5, ::2] = -torch.finfo(dtype).max
+    assert accepted(U, None).tolist() == [True, False, False, False, True, True]
+    limit = float(torch.linalg.vector_norm(U[0])) * 10
+    assert accepted(U, limit).tolist() == [True, False, False, False, False, False]
