@@ -21,6 +21,12 @@ Every request from rank 0 starts with a ``Bcast`` of a small float64 header
   are gathered too.
 * ``STOP``: workers leave their loop and exit with the status carried in the header.
 
+A rank that waits for another's long phase (workers while rank 0 aggregates, rank 0 while the
+workers train or evaluate) does not busy-poll: the header travels by ``Ibcast`` and results are
+announced by an ``Ibarrier``, both completed by :func:`wait_idle`, which sleeps between tests.
+MPICH's blocking calls spin, and when ranks share cores (3 ranks on a 2-core machine) the
+spinning ranks take CPU time from the one doing the work.
+
 Only upper-case (buffer) mpi4py calls are used in rounds. mpi4py is imported lazily so that
 one-process runs work without an MPI library.
 """
@@ -38,6 +44,20 @@ from mpifl.clients.trainer import Columns
 
 STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
 HEADER_LEN = 5
+
+
+def wait_idle(request, max_sleep: float = 2e-4) -> None:
+    """Complete an MPI request without holding a core while it is pending.
+
+    Tests the request, sleeping between tests with a pause that doubles from 1 us up to
+    ``max_sleep`` seconds: at most about ``max_sleep`` of added latency, negligible against a
+    phase long enough to be worth not spinning through. (The main job on 3 ranks of the 2-core
+    VM: 0.21 s a round with MPICH's spinning waits, 0.13 s with these; docs/BENCHMARKS.md.)
+    """
+    pause = 1e-6
+    while not request.Test():
+        time.sleep(pause)
+        pause = min(2 * pause, max_sleep)
 
 
 def world():
@@ -161,9 +181,15 @@ class MPITransport:
                       flag: int = 0):
         if self.rank == 0:
             self._header[:] = (command, rnd, lr, m, flag)
-        self.comm.Bcast([self._header, self.MPI.DOUBLE], root=0)
+        # workers may wait here through a whole aggregation: sleep instead of spinning
+        wait_idle(self.comm.Ibcast([self._header, self.MPI.DOUBLE], root=0))
         c, r, lr_, m_, f = self._header
         return int(c), int(r), float(lr_), int(m_), int(f)
+
+    def _results_ready(self) -> None:
+        """Rank 0 and the workers meet here once every worker has its results, so that rank 0
+        sleeps through the workers' training or evaluation instead of spinning in a Gatherv."""
+        wait_idle(self.comm.Ibarrier())
 
     def _gatherv(self, local: np.ndarray, counts: np.ndarray, out: np.ndarray | None, mpitype):
         """Gather contiguous blocks (rank 0 sends nothing) into ``out`` on rank 0."""
@@ -227,6 +253,7 @@ class MPITransport:
             sent += m * cols.state * 4
         t_bcast = time.perf_counter() - t0
         updates = self._updates_buffer(m)
+        self._results_ready()
         self._gatherv(np.empty(0, np.float32), blocks * self.d, updates, self.MPI.FLOAT)
         losses = np.empty(m, dtype=np.float32)
         self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
@@ -251,6 +278,7 @@ class MPITransport:
         ids = self._bcast_ids_w(client_ids, w)
         losses = np.empty(m, dtype=np.float32)
         blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+        self._results_ready()
         self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
         return losses, self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes) + losses.nbytes
 
@@ -271,6 +299,7 @@ class MPITransport:
         if personal is not None:
             self._scatterv(personal, counts * self.d, self.d, 0)
             sent += personal.nbytes
+        self._results_ready()
         reply = EvalReply(self._gather_f64(counts), self._gather_f64(counts))
         if width:
             reply.counts = self._gather_f64(counts, width)
@@ -319,6 +348,7 @@ class MPITransport:
                      seconds: float) -> None:
         """Worker: contribute this rank's block of updates (m_r, d), losses (m_r,) and
         statistics rows (m_r, S)."""
+        self._results_ready()
         self._gatherv(np.ascontiguousarray(updates, dtype=np.float32), None, None, self.MPI.FLOAT)
         self._gatherv(np.ascontiguousarray(losses, dtype=np.float32), None, None, self.MPI.FLOAT)
         if self.columns.stats_width:
@@ -327,12 +357,14 @@ class MPITransport:
 
     def send_losses(self, losses: np.ndarray) -> None:
         """Worker: contribute this rank's block of losses (m_r,) for a LOSSES request."""
+        self._results_ready()
         self._gatherv(np.ascontiguousarray(losses, dtype=np.float32), None, None, self.MPI.FLOAT)
 
     def send_eval(self, accuracy: np.ndarray, loss: np.ndarray, stats: np.ndarray | None,
                   personal: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Worker: contribute this rank's share of accuracies, losses, (if any) statistics and
         (for a personal evaluation) the personal accuracies and losses."""
+        self._results_ready()
         arrays = [accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
         for a in arrays:
             self._gatherv(np.ascontiguousarray(a, np.float64), None, None, self.MPI.DOUBLE)

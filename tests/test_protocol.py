@@ -80,3 +80,42 @@ def test_phase_columns_are_recorded(runs):
     # least one candidate w to both workers on top (a LOSSES request)
     floor = (2 + 4) * d * 4
     assert np.all(r["rounds/bytes_moved"] >= (floor + 2 * d * 4 if name == "fedmdfg" else floor))
+
+
+IDLE = """
+import resource, sys, time
+import numpy as np
+from mpifl.comm import MPITransport, world
+
+comm = world()
+t = MPITransport(comm, d=4)
+if comm.Get_rank() == 0:
+    time.sleep(1.5)                      # a long phase on rank 0 (an aggregation, say)
+    t.stop(0)
+else:
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    assert t.receive().command == 0      # STOP, after rank 0's phase
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    print(f"waited {time.perf_counter() - start:.2f} s on {cpu:.3f} s of CPU", flush=True)
+"""
+
+
+def test_a_waiting_rank_does_not_spin(tmp_path):
+    """A worker waiting through rank 0's long phase sleeps (wait_idle) instead of busy-polling
+    in a blocking Bcast, which would take CPU time from rank 0 when ranks share cores."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import mpiexec
+
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE)
+    out = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    waited, cpu = map(float, re.search(r"waited ([\d.]+) s on ([\d.]+) s", out.stdout).groups())
+    assert waited > 1.0, out.stdout
+    assert cpu < 0.25 * waited, f"the waiting rank used {cpu:.2f} s of CPU in {waited:.2f} s"
