@@ -180,7 +180,7 @@ def _digest(f: h5py.File) -> str:
         if isinstance(obj, h5py.Dataset):
             data = np.ascontiguousarray(obj[()])
             h.update(f"{name}:{data.dtype.str}:{data.shape}".encode())
-            h.update(data.tobytes())
+            h.update(data)  # the contiguous buffer itself: no tobytes() copy
 
     attrs("/", f)
     f.visititems(visit)
