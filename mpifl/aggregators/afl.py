@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_nonnegative, check_num_clients,
-                                    check_round_order, register)
+                                    check_round_order, register, state_scalar)
 from mpifl.aggregators.qfedavg import check_losses
 
 
@@ -198,33 +198,27 @@ class AFL(Aggregator):
         missing = keys - set(state)
         if missing:
             raise ValueError(f"afl state is missing {sorted(missing)}")
-        eta = float(_scalar(state["eta_lambda"]))
+        eta = float(state_scalar(state["eta_lambda"]))
         if eta != self.eta_lambda:
             raise ValueError(f"afl state was saved with eta_lambda={eta!r}, this aggregator has "
                              f"eta_lambda={self.eta_lambda!r}")
-        k = int(_scalar(state["num_clients"]))
+        k = int(state_scalar(state["num_clients"]))
         if self.num_clients is not None and k != -1 and k != self.num_clients:
             raise ValueError(f"afl state was saved with num_clients={k}, this aggregator has "
                              f"num_clients={self.num_clients}")
         lam = np.asarray(state["lam"], dtype=np.float64).reshape(-1)
         total = np.asarray(state["iterate_sum"], dtype=np.float64).reshape(-1)
-        count = int(_scalar(state["iterate_count"]))
-        if lam.size not in (0, k) or (lam.size == 0) != (int(_scalar(state["last_round"])) < 0) \
+        count = int(state_scalar(state["iterate_count"]))
+        if lam.size not in (0, k) or (lam.size == 0) != (int(state_scalar(state["last_round"])) < 0) \
                 or (total.size == 0) != (count == 0) or count < 0:
             raise ValueError("afl state: arrays are inconsistent with their counters")
         self._lam = lam.copy() if lam.size else None
         if self._lam is None and k > 0 and self.num_clients is None:
             self.num_clients = k
-        self._last_round = int(_scalar(state["last_round"]))
+        self._last_round = int(state_scalar(state["last_round"]))
         self._sum = torch.from_numpy(total.copy()) if total.size else None
         self._count = count
 
     def __repr__(self) -> str:
         return (f"AFL(eta_lambda={self.eta_lambda}, num_clients={self.num_clients}, "
                 f"seed={self.seed})")
-
-
-def _scalar(x):
-    """A Python scalar from what HDF5 gives back (0-d arrays, numpy scalars, bytes)."""
-    x = np.asarray(x).item() if isinstance(x, (np.ndarray, np.generic)) else x
-    return x.decode() if isinstance(x, bytes) else x

@@ -178,6 +178,13 @@ def check_num_clients(rule: str, num_clients: Any) -> int | None:
     return num_clients
 
 
+def state_scalar(x: Any) -> Any:
+    """A Python scalar from a ``state_dict`` value as HDF5 gives it back (0-d arrays, numpy
+    scalars, bytes); anything else unchanged. For the rules' ``load_state_dict``."""
+    x = np.asarray(x).item() if isinstance(x, (np.ndarray, np.generic)) else x
+    return x.decode() if isinstance(x, bytes) else x
+
+
 def check_round_order(rule: str, rnd: int, last: int) -> None:
     """Stateful rules see rounds in increasing order (a replayed or reordered round would corrupt
     their history).

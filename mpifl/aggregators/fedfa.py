@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_num_clients, check_round_order,
-                                    register)
+                                    register, state_scalar)
 
 
 def fedfa_weights(acc: np.ndarray, freq: np.ndarray, beta: float) -> np.ndarray:
@@ -207,17 +207,17 @@ class FedFa(Aggregator):
         if missing:
             raise ValueError(f"fedfa state is missing {sorted(missing)}")
         for name in ("beta", "gamma_s", "gamma_c"):
-            saved = float(_scalar(state[name]))
+            saved = float(state_scalar(state[name]))
             if saved != getattr(self, name):
                 raise ValueError(f"fedfa state was saved with {name}={saved!r}, this aggregator "
                                  f"has {name}={getattr(self, name)!r}")
-        k = int(_scalar(state["num_clients"]))
+        k = int(state_scalar(state["num_clients"]))
         if k != (-1 if self.num_clients is None else self.num_clients):
             raise ValueError(f"fedfa state was saved with num_clients={None if k == -1 else k}, "
                              f"this aggregator has num_clients={self.num_clients}")
         counts = np.asarray(state["counts"])
         v = np.asarray(state["v"])
-        last = int(_scalar(state["last_round"]))
+        last = int(state_scalar(state["last_round"]))
         if (counts.ndim != 1 or counts.dtype.kind not in "iu" or (counts < 0).any()
                 or (k != -1 and counts.size != k) or v.ndim != 1 or v.dtype.kind != "f"
                 or (v.size == 0) != (last < 0)):
@@ -229,9 +229,3 @@ class FedFa(Aggregator):
     def __repr__(self) -> str:
         return (f"FedFa(beta={self.beta}, gamma_s={self.gamma_s}, gamma_c={self.gamma_c}, "
                 f"num_clients={self.num_clients}, seed={self.seed})")
-
-
-def _scalar(x):
-    """A Python scalar from what HDF5 gives back (0-d arrays, numpy scalars, bytes)."""
-    x = np.asarray(x).item() if isinstance(x, (np.ndarray, np.generic)) else x
-    return x.decode() if isinstance(x, bytes) else x

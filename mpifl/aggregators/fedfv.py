@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
+from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
+                                    state_scalar)
 from mpifl.aggregators.gram import gram
 
 ORDERS = ("loss", "random", "reverse")
@@ -188,7 +189,7 @@ class FedFV(Aggregator):
         if missing:
             raise ValueError(f"fedfv state is missing {sorted(missing)}")
         for key in ("alpha", "tau", "order", "external_window", "seed"):
-            saved = _scalar(state[key])
+            saved = state_scalar(state[key])
             if saved != getattr(self, key):
                 raise ValueError(f"fedfv state was saved with {key}={saved!r}, "
                                  f"this aggregator has {key}={getattr(self, key)!r}")
@@ -205,7 +206,7 @@ class FedFV(Aggregator):
             _Block(int(rd), ids[a:b].copy(), torch.tensor(rows[a:b]), latest[a:b].copy())
             for rd, a, b in zip(rounds, bounds[:-1], bounds[1:])
         ]
-        self._last_round = int(_scalar(state["last_round"]))
+        self._last_round = int(state_scalar(state["last_round"]))
 
     def __repr__(self) -> str:
         return (f"FedFV(alpha={self.alpha}, tau={self.tau}, order={self.order!r}, "
@@ -308,9 +309,3 @@ def check_params(alpha: float, tau: int, order: str, window: str) -> tuple[float
     if window not in WINDOWS:
         raise ValueError(f"fedfv: external_window must be one of {WINDOWS}, got {window!r}")
     return alpha, int(tau)
-
-
-def _scalar(x):
-    """A Python scalar from what HDF5 gives back (0-d arrays, numpy scalars, bytes)."""
-    x = np.asarray(x).item() if isinstance(x, (np.ndarray, np.generic)) else x
-    return x.decode() if isinstance(x, bytes) else x

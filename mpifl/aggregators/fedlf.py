@@ -73,7 +73,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
+from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
+                                    state_scalar)
 from mpifl.aggregators.gram import gram
 from mpifl.aggregators.qp import solve_simplex_qp
 
@@ -339,8 +340,8 @@ class FedLF(Aggregator):
                 "history_rounds", "history_sizes", "history_client_ids", "history_rows"}
         if missing := keys - set(state):
             raise ValueError(f"fedlf state is missing {sorted(missing)}")
-        if float(_scalar(state["zero_tol"])) != self.zero_tol:
-            raise ValueError(f"fedlf state was saved with zero_tol={_scalar(state['zero_tol'])}, "
+        if float(state_scalar(state["zero_tol"])) != self.zero_tol:
+            raise ValueError(f"fedlf state was saved with zero_tol={state_scalar(state['zero_tol'])}, "
                              f"this aggregator has zero_tol={self.zero_tol}")
         seen_ids = np.asarray(state["seen_ids"], dtype=np.int64)
         seen_rounds = np.asarray(state["seen_rounds"], dtype=np.int64)
@@ -356,8 +357,8 @@ class FedLF(Aggregator):
         self._seen = {int(k): int(t) for k, t in zip(seen_ids, seen_rounds)}
         self._blocks = [_Block(int(rd), ids[a:b].copy(), torch.tensor(rows[a:b]))
                         for rd, a, b in zip(rounds, bounds[:-1], bounds[1:])]
-        self._m_ref = int(_scalar(state["m_ref"]))
-        self._last_round = int(_scalar(state["last_round"]))
+        self._m_ref = int(state_scalar(state["m_ref"]))
+        self._last_round = int(state_scalar(state["last_round"]))
 
     def __repr__(self) -> str:
         return f"FedLF(zero_tol={self.zero_tol}, seed={self.seed})"
@@ -423,9 +424,3 @@ class FedLF(Aggregator):
                 raise ValueError(f"fedlf: update dimension changed from {b.rows.shape[1]} "
                                  f"to {r.d}")
             b.rows = b.rows.to(device=r.updates.device, dtype=r.updates.dtype)
-
-
-def _scalar(x):
-    """A Python scalar from what HDF5 gives back (0-d arrays, numpy scalars, bytes)."""
-    x = np.asarray(x).item() if isinstance(x, (np.ndarray, np.generic)) else x
-    return x.decode() if isinstance(x, bytes) else x

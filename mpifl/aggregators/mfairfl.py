@@ -59,8 +59,8 @@ import numpy as np
 import torch
 
 from mpifl import fairness
-from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order,
-                                    register)
+from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order, register,
+                                    state_scalar)
 from mpifl.aggregators.fedfv import projection_order
 from mpifl.aggregators.gram import gram
 
@@ -304,7 +304,7 @@ class MFairFL(Aggregator):
         if missing:
             raise ValueError(f"mfairfl state is missing {sorted(missing)}")
         for key in ("notion", "eps", "eta_lambda", "alpha", "beta", "seed"):
-            saved = _scalar(state[key])
+            saved = state_scalar(state[key])
             if saved != getattr(self, key):
                 raise ValueError(f"mfairfl state was saved with {key}={saved!r}, "
                                  f"this aggregator has {key}={getattr(self, key)!r}")
@@ -326,7 +326,7 @@ class MFairFL(Aggregator):
             raise ValueError(f"mfairfl state has {lam.size} multipliers, this aggregator "
                              f"expects {self._lam.size}")
         self._keys, self._values, self._lam = keys, values.copy(), lam.copy()
-        self._last_round = int(_scalar(state["last_round"]))
+        self._last_round = int(state_scalar(state["last_round"]))
 
     def __repr__(self) -> str:
         return (f"MFairFL(notion={self.notion!r}, eps={self.eps}, eta_lambda={self.eta_lambda}, "
@@ -425,9 +425,3 @@ def check_params(notion: str, eps: float, eta_lambda: float, alpha: float,
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"mfairfl: beta must be in (0, 1], got {beta}")
     return notion, eps, eta_lambda, alpha, beta
-
-
-def _scalar(x):
-    """A Python scalar from what HDF5 gives back (0-d arrays, numpy scalars, bytes)."""
-    x = np.asarray(x).item() if isinstance(x, (np.ndarray, np.generic)) else x
-    return x.decode() if isinstance(x, bytes) else x
