@@ -49,6 +49,35 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def small_fmnist_job(name: str, *, seed: int, rounds: int, eval_every: int,
+                     checkpoint_every: int, partition: str, algorithm: str) -> str:
+    """TOML of a small job on real Fashion-MNIST for the MPI tests: 10 clients, 4 per round,
+    MLP 784-16-10, one full-batch step a round. ``partition`` is the partition's TOML lines
+    (e.g. ``'partition = "shards"'``)."""
+    return f"""
+[run]
+name = "{name}"
+seed = {seed}
+rounds = {rounds}
+eval_every = {eval_every}
+checkpoint_every = {checkpoint_every}
+[data]
+dataset = "fashion_mnist"
+{partition}
+num_clients = 10
+[model]
+name = "mlp"
+hidden = [16]
+[client]
+epochs = 1
+batch_size = 0
+lr = 0.1
+[server]
+algorithm = "{algorithm}"
+clients_per_round = 4
+"""
+
+
 def write_fmnist_job(tmp_path_factory, name: str, text: str) -> Path:
     """A TOML job on real Fashion-MNIST in a fresh temp folder (fails if the data is missing)."""
     if not FMNIST.is_dir():

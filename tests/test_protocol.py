@@ -9,32 +9,12 @@ import numpy as np
 import pytest
 
 from mpifl.aggregators import available
-from tests.helpers import write_fmnist_job
+from tests.helpers import small_fmnist_job, write_fmnist_job
 from tests.test_run import run_mpifl
 
-JOB = """
-[run]
-name = "protocol"
-seed = 5
-rounds = 4
-eval_every = 2
-checkpoint_every = 2
-[data]
-dataset = "fashion_mnist"
-partition = "dirichlet"
-dirichlet_alpha = 0.5
-num_clients = 10
-[model]
-name = "mlp"
-hidden = [16]
-[client]
-epochs = 1
-batch_size = 0
-lr = 0.1
-[server]
-algorithm = "fedmdfg"
-clients_per_round = 4
-"""
+JOB = small_fmnist_job("protocol", seed=5, rounds=4, eval_every=2, checkpoint_every=2,
+                       partition='partition = "dirichlet"\ndirichlet_alpha = 0.5',
+                       algorithm="fedmdfg")
 
 RULES = [r for r in ("fedmdfg", "fedfa") if r in available()]
 

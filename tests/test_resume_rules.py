@@ -13,31 +13,11 @@ import time
 import pytest
 
 from mpifl.aggregators import available
-from tests.helpers import kill_tree, write_fmnist_job
+from tests.helpers import kill_tree, small_fmnist_job, write_fmnist_job
 from tests.test_resume import ENV, assert_same, command, run
 
-JOB = """
-[run]
-name = "rules"
-seed = 7
-rounds = 8
-eval_every = 2
-checkpoint_every = 1
-[data]
-dataset = "fashion_mnist"
-partition = "shards"
-num_clients = 10
-[model]
-name = "mlp"
-hidden = [16]
-[client]
-epochs = 1
-batch_size = 0
-lr = 0.1
-[server]
-algorithm = "fedavg"
-clients_per_round = 4
-"""
+JOB = small_fmnist_job("rules", seed=7, rounds=8, eval_every=2, checkpoint_every=1,
+                       partition='partition = "shards"', algorithm="fedavg")
 
 RULES = {"afl": ["server.sampling=all"], "fedfa": [], "fedmdfg": [], "fedlf": [],
          "uga": ["client.epochs=2", "client.batch_size=20"], "fedmeta": ["fedmeta.meta_size=50"]}
