@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from mpifl import __version__
-from mpifl.allocator import keep_large_blocks
-from mpifl.errors import MpiflError
-from mpifl.sweep import add_sweep_parser, report_sweep
+from mpifl.runtime.allocator import keep_large_blocks
+from mpifl.core.errors import MpiflError
+from mpifl.sweep.sweep import add_sweep_parser, report_sweep
 
 
 def _env_rank() -> int:
@@ -42,10 +42,10 @@ def _csv_ints(text: str) -> list[int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mpifl.config import load_config
+    from mpifl.experiment.config import load_config
 
     cfg = load_config(args.config, args.set)  # validated before any rank does work
-    from mpifl.experiment import run_experiment
+    from mpifl.experiment.run import run_experiment
 
     out = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}.h5"
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
@@ -53,14 +53,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from mpifl.experiment import run_experiment
+    from mpifl.experiment.run import run_experiment
 
     return run_experiment(None, Path(args.run), mode="resume", rounds=args.rounds,
                           progress=not args.no_progress)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mpifl.report import format_table, summarise
+    from mpifl.report.tables import format_table, summarise
 
     if len(args.runs) == 1 and Path(args.runs[0]).is_dir():  # a sweep folder
         return report_sweep(args.runs[0], as_json=args.json)
@@ -72,7 +72,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``mpifl bench aggregation|simulate``: a table on stdout, or one JSON object (--json)."""
     if args.bench == "simulate":
-        from mpifl.simbench import bench_simulate, format_simulate
+        from mpifl.bench.simulate import bench_simulate, format_simulate
 
         try:
             res = bench_simulate(config=args.config, overrides=args.set,
@@ -85,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(res) if args.json else format_simulate(res))
         return 0
 
-    from mpifl.bench import bench_aggregation, format_report, write_hdf5
+    from mpifl.bench.aggregation import bench_aggregation, format_report, write_hdf5
 
     if args.out is not None:
         _check_bench_out(args.out)

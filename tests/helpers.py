@@ -91,7 +91,7 @@ def h5_round_trip(state: dict, path: Path) -> dict:
     """An aggregator ``state_dict()`` written and read back by the real checkpoint code."""
     import h5py
 
-    from mpifl.checkpoint import _read_state, _write_state
+    from mpifl.store.checkpoint import _read_state, _write_state
 
     with h5py.File(path, "w") as f:
         _write_state(f.create_group("aggregator"), state)

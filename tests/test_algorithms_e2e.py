@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from mpifl.aggregators import available
-from mpifl.config import load_config
-from mpifl.errors import ConfigError
+from mpifl.experiment.config import load_config
+from mpifl.core.errors import ConfigError
 from tests.helpers import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]

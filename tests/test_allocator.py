@@ -1,10 +1,10 @@
-"""mpifl.allocator: glibc keeps large freed blocks when asked, and the opt-out is honoured."""
+"""mpifl.runtime.allocator: glibc keeps large freed blocks when asked, and the opt-out is honoured."""
 
 from __future__ import annotations
 
 import platform
 
-from mpifl.allocator import keep_large_blocks
+from mpifl.runtime.allocator import keep_large_blocks
 
 
 def test_applied_on_glibc_and_opt_out(monkeypatch):

@@ -11,8 +11,8 @@ from cvxopt import matrix, solvers
 
 from mpifl.aggregators import RoundUpdates, available, create
 from mpifl.aggregators.afl import project_simplex
-from mpifl.config import load_config
-from mpifl.errors import ConfigError
+from mpifl.experiment.config import load_config
+from mpifl.core.errors import ConfigError
 from tests.helpers import h5_round_trip
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]

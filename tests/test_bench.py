@@ -17,10 +17,10 @@ import torch
 from mpifl import aggregators
 from mpifl.aggregators import Aggregator
 from mpifl.aggregators.base import _REGISTRY
-from mpifl.bench import (BASELINE, COLUMNS, H5_BASELINE_DATASETS, H5_DATASETS, bench_aggregation,
+from mpifl.bench.aggregation import (BASELINE, COLUMNS, H5_BASELINE_DATASETS, H5_DATASETS, bench_aggregation,
                          format_report, format_table, read_hdf5, write_hdf5)
 from mpifl.cli import main
-from mpifl.simbench import bench_simulate, model_flops
+from mpifl.bench.simulate import bench_simulate, model_flops
 from mpifl.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,10 +6,10 @@ import h5py
 import numpy as np
 import pytest
 
-from mpifl import checkpoint
-from mpifl.checkpoint import Checkpoint
-from mpifl.errors import OutputError
-from mpifl.store import MetricHistory
+from mpifl.store import checkpoint
+from mpifl.store.checkpoint import Checkpoint
+from mpifl.core.errors import OutputError
+from mpifl.store.results import MetricHistory
 
 ROW = {"round": 0, "num_clients": 3, "train_loss": 1.5, "lr": 0.1, "conflicts_model": 1,
        "dropped": 0, "rejected": 0, "bytes_moved": 10, "time_broadcast": 0.1, "time_train": 0.2,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mpifl.cli import main
-from mpifl.config import load_config, parse_override
+from mpifl.experiment.config import load_config, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN_JOB = ROOT / "jobs" / "fmnist-fedfv.toml"

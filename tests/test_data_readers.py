@@ -17,7 +17,7 @@ from mpifl.data import load_federated
 from mpifl.data import roots
 from mpifl.data.cifar import load_cifar10_pool, load_cifar100_pool, read_cifar_batch
 from mpifl.data.idx import load_idx_pool, read_idx
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(">i2"): 0x0B,
              np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D, np.dtype(">f8"): 0x0E}

@@ -17,8 +17,9 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from mpifl.aggregators import RoundUpdates, create, rule
 from mpifl.cli import main
 from mpifl.clients import TRAINERS, DittoTrainer, VmapTrainer, client_minibatches
-from mpifl.config import load_config
-from mpifl.models import ParamLayout, build_model
+from mpifl.experiment.config import load_config
+from mpifl.core.layout import ParamLayout
+from mpifl.models import build_model
 from tests.helpers import h5_round_trip, write_fmnist_job
 
 ATOL = 1e-5
@@ -334,7 +335,7 @@ def test_one_and_three_ranks_give_the_same_personal_accuracies(runs, capsys):
 def contents(path) -> dict[str, np.ndarray]:
     """Everything a run computes: model, /eval (with its personal/ subgroup), /rounds (timings
     and memory aside). (tests/test_resume.py's reads only flat /eval.)"""
-    from mpifl.store import MEASURED_COLUMNS
+    from mpifl.store.results import MEASURED_COLUMNS
 
     out = {}
     with h5py.File(path, "r") as f:
@@ -356,7 +357,7 @@ def kill_mid_run(cmd: list[str], out, seconds: float) -> bool:
     finished first."""
     import subprocess
 
-    from mpifl.checkpoint import folder_for
+    from mpifl.store.checkpoint import folder_for
     from tests.helpers import kill_tree
     from tests.test_resume import ENV
 
@@ -378,7 +379,7 @@ def kill_mid_run(cmd: list[str], out, seconds: float) -> bool:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(job, runs, tmp_path):
-    from mpifl.store import MEASURED_COLUMNS
+    from mpifl.store.results import MEASURED_COLUMNS
     from tests.test_resume import command, run
 
     out = runs

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.fairness import (ap_violation, cf_violation, constraint_values, dp_violation,
+from mpifl.metrics.fairness import (ap_violation, cf_violation, constraint_values, dp_violation,
                             eo_violation, group_gaps, group_violations, num_constraints,
                             positive_probability)
 

@@ -14,7 +14,7 @@ import torch
 
 from mpifl.aggregators import RoundUpdates, create
 from mpifl.aggregators.fedlf import fair_weights, fedlf_direction, layer_slices
-from mpifl.config import load_config
+from mpifl.experiment.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 LR = 0.1

@@ -16,7 +16,7 @@ import pytest
 
 from mpifl.data import fetch as F
 from mpifl.data import fetch_dataset, load_federated
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 IDX_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
              "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.config import load_config
-from mpifl.experiment import build_parts
-from mpifl.fairness import group_violations, violations_from_counts
+from mpifl.experiment.config import load_config
+from mpifl.experiment.run import build_parts
+from mpifl.metrics.fairness import group_violations, violations_from_counts
 from tests.helpers import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch.nn.utils import vector_to_parameters
 
 from mpifl.aggregators import RoundUpdates, create, rule
-from mpifl.config import load_config
+from mpifl.experiment.config import load_config
 from mpifl.data.federated import FederatedData
-from mpifl.errors import ConfigError
-from mpifl.meta import MetaStep, meta_indices, uses_meta_step
-from mpifl.models import ParamLayout, build_model
+from mpifl.core.errors import ConfigError
+from mpifl.clients.meta import MetaStep, meta_indices
+from mpifl.experiment.assemble import Parts, meta_step_for, uses_meta_step
+from mpifl.core.layout import ParamLayout
+from mpifl.models import build_model
 
 
 def make_fed(sizes=(30, 50, 20), n_test=5, features=6, classes=3, sensitive=None, seed=0):
@@ -111,7 +113,7 @@ def test_from_config_and_bad_parameters():
     fed = make_fed()
     model, layout = model_of(fed)
     cfg = load_config(None, ["run.seed=5", "fedmeta.meta_size=12", "fedmeta.eta_meta=0.05"])
-    meta = MetaStep.from_config(cfg, fed, model, layout)
+    meta = meta_step_for(cfg, Parts(fed, model, layout, layout.flatten_module(model)))
     assert meta.meta_size == 12 and meta.eta_meta == 0.05 and meta.meta_sampling == "iid"
     assert np.array_equal(meta.indices, meta_indices(fed, seed=5, size=12))
     for bad in (dict(eta_meta=0.0), dict(eta_meta=float("nan")), dict(meta_size=0),

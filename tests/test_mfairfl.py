@@ -14,8 +14,8 @@ import torch
 from mpifl.aggregators import RoundUpdates, available, create, rule
 from mpifl.aggregators.mfairfl import (GOAL_MAX, MFairFL, curation_coefficients,
                                        gradvac_coefficient, num_adjusted)
-from mpifl.config import load_config
-from mpifl.errors import ConfigError
+from mpifl.experiment.config import load_config
+from mpifl.core.errors import ConfigError
 from tests.helpers import h5_round_trip
 
 

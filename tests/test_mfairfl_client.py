@@ -17,13 +17,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from mpifl import aggregators, fairness
+from mpifl import aggregators
+from mpifl.metrics import fairness
 from mpifl.aggregators.mfairfl import MFairFL
 from mpifl.cli import main
 from mpifl.clients import TRAINERS, LagrangianTrainer, VmapTrainer, client_minibatches
-from mpifl.config import load_config
-from mpifl.models import ParamLayout, build_model
-from mpifl.store import MEASURED_COLUMNS
+from mpifl.experiment.config import load_config
+from mpifl.core.layout import ParamLayout
+from mpifl.models import build_model
+from mpifl.store.results import MEASURED_COLUMNS
 from tests.helpers import mpiexec
 
 ATOL = 1e-5
@@ -399,7 +401,7 @@ def test_runs_under_mpiexec_on_adult_with_group_metrics(reference):
         assert f["eval/client_accuracy"].shape == (4, 5)
         assert np.isfinite(f["rounds/train_loss"][()]).all()
     # the multipliers reached the checkpoint: the constraints came back from the workers
-    from mpifl import checkpoint
+    from mpifl.store import checkpoint
     ckpt = checkpoint.load_latest(checkpoint.folder_for(reference))
     assert ckpt.round == 4 and ckpt.aggregator["multipliers"].shape == (2,)
     assert (ckpt.aggregator["multipliers"] > 0).any()

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from mpifl.errors import ConfigError
+from mpifl.core.errors import ConfigError
 from mpifl.models import MODELS, Layer, ParamLayout, build_model
 
 

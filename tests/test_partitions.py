@@ -14,7 +14,7 @@ from mpifl.data import DATASETS, PARTITIONS, FederatedData, load_federated
 from mpifl.data import partition as P
 from mpifl.data.federated import SPLIT_TAG, _split_counts, split_clients
 from mpifl.data.synthetic import MAX_SAMPLES_PER_CLIENT, MIN_SAMPLES_PER_CLIENT
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 C = 10
 
@@ -45,7 +45,7 @@ def same(a, b) -> bool:
 
 
 def test_public_names():
-    from mpifl import config
+    from mpifl.experiment import config
 
     assert DATASETS == ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", "adult",
                         "compas", "german")

@@ -65,7 +65,7 @@ def test_phase_columns_are_recorded(runs):
 IDLE = """
 import resource, sys, time
 import numpy as np
-from mpifl.comm import MPITransport, world
+from mpifl.runtime.comm import MPITransport, world
 
 comm = world()
 t = MPITransport(comm, d=4)

@@ -17,8 +17,8 @@ import h5py
 import numpy as np
 import pytest
 
-from mpifl import checkpoint
-from mpifl.store import MEASURED_COLUMNS
+from mpifl.store import checkpoint
+from mpifl.store.results import MEASURED_COLUMNS
 from tests.helpers import kill_tree, mpiexec, process_tree, write_fmnist_job
 
 JOB = """
@@ -181,7 +181,7 @@ def test_nan_clients_are_rejected_and_counted(job, tmp_path):
         assert np.all(np.isfinite(f["model/global"][()]))
         assert np.all(rejected + aggregated == 6) and rejected.sum() > 0
     # exactly the selected clients with ids < 8, from the keyed sampling itself
-    from mpifl.server import select_clients
+    from mpifl.runtime.server import select_clients
 
     expected = [int((select_clients(5, t, np.ones(16), 6, "uniform") < 8).sum()) for t in range(6)]
     assert list(rejected) == expected
@@ -258,7 +258,7 @@ def test_resume_of_a_foreign_or_missing_run_is_a_clear_error(tmp_path):
 def test_stop_request_names_the_first_signal():
     """A requeue under srun delivers SIGTERM and then the sweep job's forwarded SIGUSR1: the
     log must name the first, and a second signal must not undo the request."""
-    from mpifl.signals import StopRequest
+    from mpifl.runtime.signals import StopRequest
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
     try:

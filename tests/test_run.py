@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mpifl.cli import main
-from mpifl.store import ROUND_COLUMNS
+from mpifl.store.results import ROUND_COLUMNS
 from tests.helpers import mpiexec, write_fmnist_job
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mpifl.comm import split_by_samples
-from mpifl.metrics import client_summary, count_conflicts, count_layer_conflicts
-from mpifl.server import eval_due, select_clients
+from mpifl.runtime.comm import split_by_samples
+from mpifl.metrics.summary import client_summary, count_conflicts, count_layer_conflicts
+from mpifl.runtime.server import eval_due, select_clients
 
 
 def test_client_summary_by_hand():
@@ -82,7 +82,7 @@ def test_eval_schedule():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_accepted_rejects_non_finite_and_too_large_updates(dtype):
-    from mpifl.faults import accepted
+    from mpifl.clients.faults import accepted
 
     U = torch.randn(6, 1000, dtype=dtype, generator=torch.Generator().manual_seed(1))
     U[1, 7], U[2, 999], U[3, 0] = float("nan"), float("inf"), float("-inf")

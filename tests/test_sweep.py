@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from mpifl.cli import main
-from mpifl.errors import ConfigError
-from mpifl.sweep import MpiRun, check, load_sweep, select
+from mpifl.core.errors import ConfigError
+from mpifl.sweep.sweep import MpiRun, check, load_sweep, select
 from tests.helpers import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]

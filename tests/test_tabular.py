@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpifl.config import load_config
+from mpifl.experiment.config import load_config
 from mpifl.data import fetch_dataset, load_federated
 from mpifl.data import partition as P
 from mpifl.data.tabular import (ROW_COUNTS, TABULAR, feature_width, load_tabular,
                                 standardise_numeric)
-from mpifl.errors import ConfigError, DataError
+from mpifl.core.errors import ConfigError, DataError
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 

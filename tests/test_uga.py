@@ -11,7 +11,8 @@ from torch.func import functional_call
 from mpifl.aggregators import RoundUpdates, create, rule
 from mpifl.clients import VmapTrainer, batch_order
 from mpifl.clients.uga import UGATrainer
-from mpifl.models import ParamLayout, build_model
+from mpifl.core.layout import ParamLayout
+from mpifl.models import build_model
 
 
 

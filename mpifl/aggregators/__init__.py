@@ -1,4 +1,7 @@
-"""Aggregation rules, one file per algorithm, behind one interface and a registry by name.
+"""aggregators — Aggregation rules, one file per algorithm, behind one interface and a registry by name.
+
+May import: core, metrics.  Never imports: data, models, store, clients, runtime or above
+(an aggregator sees updates, never data or MPI).
 
     from mpifl.aggregators import create, RoundUpdates
     agg = create("fedfv", alpha=0.1, tau=1, seed=0)

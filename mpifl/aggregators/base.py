@@ -209,7 +209,7 @@ class Aggregator:
     needs_num_clients: ClassVar[bool] = False
     #: The local training it needs: a key of :data:`mpifl.clients.TRAINERS` ("uga": keep-trace).
     trainer_kind: ClassVar[str] = "sgd"
-    #: True for rules followed by FedMeta's server-side meta step (:mod:`mpifl.meta`).
+    #: True for rules followed by FedMeta's server-side meta step (:mod:`mpifl.clients.meta`).
     meta_step: ClassVar[bool] = False
     #: True for rules whose state is per sensitive group (mFairFL's multipliers): the server
     #: then passes ``num_groups=G`` of the data to the constructor.

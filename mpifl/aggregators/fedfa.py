@@ -36,7 +36,7 @@ rate; the older easyFL ``algorithm/fedfa.py`` even builds a tuple there), with o
 (FLGo defaults: beta 0.5, gamma 0.9) shared by the server and the clients' SGD momentum. This
 rule follows the paper's form as SPEC §7 writes it (``v <- gamma_s v + (w_agg - w^t)``,
 ``w^{t+1} = w^t + v``) with separate ``gamma_s`` and ``gamma_c``; the defaults here (beta,
-gamma_s, gamma_c = 0.5, 0.5, 0.5, as :class:`mpifl.config.FedFaConfig`) differ from FLGo's
+gamma_s, gamma_c = 0.5, 0.5, 0.5, as :class:`mpifl.experiment.config.FedFaConfig`) differ from FLGo's
 ``gamma = 0.9``. The FedLF authors' FedFa baseline (github.com/zibinpan/FedLF,
 ``gfedplat/algorithm/FedFa/FedFa.py``: beta 0.5, gamma 0.9) has exactly this server update
 (``ms <- gamma ms + dw``, ``w <- w + ms``) and also counts the current round, but measures ACC

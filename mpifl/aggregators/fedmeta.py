@@ -2,13 +2,13 @@
 Aggregation and Controllable Meta Updating", NeurIPS 2019 FL workshop, arXiv:1910.08234;
 SPEC §6): FedAvg's aggregation followed by one gradient step on a small server-held meta set.
 
-The meta step itself is :class:`mpifl.meta.MetaStep` (it needs the data and the model, which
+The meta step itself is :class:`mpifl.clients.meta.MetaStep` (it needs the data and the model, which
 an aggregator does not see). Contract with the server, after every aggregation (also for any
 other rule when ``server.meta = true``, e.g. "FedMeta w/ UGA" = ``algorithm = "uga"`` +
 ``server.meta = true``):
 
-    if getattr(rule, "meta_step", False) or cfg.server.meta:   # see mpifl.meta.uses_meta_step
-        w = meta.apply(w)   # w - eta_meta * grad L(w; D_meta); meta = MetaStep.from_config(...)
+    if getattr(rule, "meta_step", False) or cfg.server.meta:   # see mpifl.clients.meta.uses_meta_step
+        w = meta.apply(w)   # w - eta_meta * grad L(w; D_meta); meta: mpifl.clients.meta.MetaStep
 
 The meta step is deterministic (the meta set is drawn from ``run.seed``), so nothing about it
 is checkpointed; this aggregator is stateless like FedAvg.
@@ -16,11 +16,31 @@ is checkpointed; this aggregator is stateless like FedAvg.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import math
+from typing import Any, ClassVar
 
 from mpifl.aggregators.base import register
 from mpifl.aggregators.fedavg import FedAvg
-from mpifl.meta import check_meta_params
+
+SAMPLINGS = ("iid", "group_balanced")
+
+
+def check_meta_params(eta_meta: Any, meta_size: Any, meta_sampling: Any) -> tuple[float, int, str]:
+    """``(eta_meta, meta_size, meta_sampling)`` validated: finite eta > 0, integer size >= 1,
+    a known sampling.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+    eta = float(eta_meta)
+    if not (math.isfinite(eta) and eta > 0):
+        raise ValueError(f"fedmeta: eta_meta must be finite and > 0, got {eta_meta}")
+    if isinstance(meta_size, bool) or int(meta_size) != meta_size or meta_size < 1:
+        raise ValueError(f"fedmeta: meta_size must be an integer >= 1, got {meta_size}")
+    if meta_sampling not in SAMPLINGS:
+        raise ValueError(f"fedmeta: meta_sampling must be one of {SAMPLINGS}, got "
+                         f"{meta_sampling!r}")
+    return eta, int(meta_size), meta_sampling
 
 
 @register("fedmeta")
@@ -29,7 +49,7 @@ class FedMeta(FedAvg):
 
     Args:
         eta_meta, meta_size, meta_sampling: the ``[fedmeta]`` table, validated here; the server
-            passes them (from the config) to :class:`mpifl.meta.MetaStep`.
+            passes them (from the config) to :class:`mpifl.clients.meta.MetaStep`.
         weighting: as FedAvg's (default ``"samples"``, the paper's).
         seed: unused.
 

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mpifl import fairness
+from mpifl.metrics import fairness
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.fedfv import projection_order
@@ -152,7 +152,7 @@ class MFairFL(Aggregator):
             (lowest losses) are curated (opposite sense to FedFV's alpha).
         beta: in (0, 1], EMA rate of the similarity goals (Eq. 15).
         num_constraints: A, if known (G for dp/ap, 2G for eo; see
-            :func:`mpifl.fairness.num_constraints`); None: sized by the first round that reports
+            :func:`mpifl.metrics.fairness.num_constraints`); None: sized by the first round that reports
             constraints, and :attr:`multipliers` is empty (meaning zeros) until then.
         num_groups: G, the number of sensitive groups of the data, from which A follows
             (``num_constraints(notion, G)``); what a run passes (:attr:`needs_num_groups`).

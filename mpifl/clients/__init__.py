@@ -1,11 +1,15 @@
-"""Client-side computation: vectorised local training and evaluation of many clients at once.
+"""clients — client-side computation: vectorised local training and evaluation of many clients
+at once, FedMeta's server-held meta step, fault injection.
+
+May import: core, metrics, data, models, aggregators.  Never imports: store, runtime or above.
 
 See :mod:`mpifl.clients.trainer` (FedAvg local SGD, McMahan et al. 2017, with ``torch.func.vmap``)
 and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019) and
 :mod:`mpifl.clients.mfairfl` (mFairFL's Lagrangian local training, Su et al. 2024).
 """
 
-from mpifl.clients.trainer import Columns, VmapTrainer, batch_order, client_minibatches
+from mpifl.clients.trainer import VmapTrainer, batch_order, client_minibatches
+from mpifl.core.wire import Columns
 from mpifl.clients.ditto import DittoTrainer
 from mpifl.clients.mfairfl import LagrangianTrainer
 from mpifl.clients.uga import UGATrainer

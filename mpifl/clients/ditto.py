@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import functional_call, vmap
 
-from mpifl.clients.trainer import Columns, VmapTrainer
+from mpifl.clients.trainer import VmapTrainer
+from mpifl.core.wire import Columns
 
 
 class DittoTrainer(VmapTrainer):

@@ -7,10 +7,10 @@ mFairFL — Su, Yu, Wang, Li, Li & Yu, "Multi-dimensional Fair Federated Learnin
 
 with the multipliers λ (A,) it received from the server for this round (the round input of the
 protocol, :class:`~mpifl.clients.Columns` ``inputs = A``). F_k is the mean cross-entropy, and the
-gaps ``|M_a - M|`` are the differentiable surrogates of :func:`mpifl.fairness.constraint_values`
+gaps ``|M_a - M|`` are the differentiable surrogates of :func:`mpifl.metrics.fairness.constraint_values`
 (DP: predicted probability of class 1 per group vs overall; EO: the same per (group, true
 label); AP: mean cross-entropy per group vs overall). A = G for DP and AP, 2G for EO
-(:func:`mpifl.fairness.num_constraints`).
+(:func:`mpifl.metrics.fairness.num_constraints`).
 
 **Stochastic Lagrangian.** Every SGD step uses the minibatch estimate of the whole objective:
 the minibatch's mean cross-entropy plus ``sum_a λ_a c_a`` with the gaps measured on the same
@@ -33,7 +33,7 @@ training split, before training — SPEC §4):
 They are computed from per-(client, group, label) sums of the sample count, the predicted
 probability of class 1 and the cross-entropy, accumulated in float64 over one batched forward of
 all the clients' rows (in blocks that fit the memory budget), so no client's split has to be in
-one forward; the gaps from those sums are :func:`mpifl.fairness.group_gaps`' definitions
+one forward; the gaps from those sums are :func:`mpifl.metrics.fairness.group_gaps`' definitions
 (:func:`gaps_from_sums`).
 
 The model must have two outputs (a binary task). With ``output = "softmax"`` (a model ending in
@@ -50,9 +50,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from mpifl import fairness
-from mpifl.clients.trainer import Columns, VmapTrainer
-from mpifl.models import ParamLayout
+from mpifl.metrics import fairness
+from mpifl.clients.trainer import VmapTrainer
+from mpifl.core.wire import Columns
+from mpifl.core.layout import ParamLayout
 
 
 def gaps_from_sums(notion: str, count: Tensor, prob_sum: Tensor, loss_sum: Tensor) -> Tensor:
@@ -90,7 +91,7 @@ class LagrangianTrainer(VmapTrainer):
         sensitive: (N,) int64 sensitive-group id (>= 0) of every sample of the store.
         fair_notion: ``"dp"``, ``"eo"`` or ``"ap"``.
         fair_eps: tolerance eps >= 0 of the constraints ``c_a = gap_a - eps``.
-        num_groups: G; default ``sensitive.max() + 1`` (as :func:`mpifl.backends.group_setup`,
+        num_groups: G; default ``sensitive.max() + 1`` (as :func:`mpifl.runtime.backends.group_setup`,
             so rank 0 and the workers agree on A without exchanging it).
 
     Raises:

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from mpifl.models import ParamLayout
+from mpifl.core.layout import ParamLayout
+from mpifl.core.wire import Columns
 
 # Rough float32 copies of d per client alive during one step: parameters, gradient, momentum,
 # the masked step, and backward temporaries (weight gradients before they are returned).
@@ -72,33 +73,6 @@ def step_widths(weights: np.ndarray) -> np.ndarray:
     which are padding in every client (e.g. everyone's short last minibatch), exactly.
     """
     return np.maximum((weights > 0).sum(axis=2).max(axis=0), 1).astype(np.int64)
-
-
-@dataclass(frozen=True)
-class Columns:
-    """What a trainer exchanges with the server per round besides updates and losses.
-
-    Both ends of the MPI protocol derive it from the config (rank 0 without building a
-    trainer, through ``columns_for``), so no sizes travel at run time.
-
-    Attributes:
-        inputs: length of the float64 vector broadcast to every client with a TRAIN request
-            (mFairFL's multipliers, (A,)); 0 for none.
-        state: float32 width of the per-client state row the server sends with each selected
-            client (Ditto's personal model, d); 0 for none.
-        stats: ``(name, width)`` of the float32 per-client result columns, in order (e.g.
-            ``("train_accuracy", 1)``); they reach the aggregator as ``RoundUpdates.stats[name]``,
-            (m,) when the width is 1, else (m, width).
-    """
-
-    inputs: int = 0
-    state: int = 0
-    stats: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def stats_width(self) -> int:
-        """Float32 values per client in the gathered statistics row."""
-        return sum(width for _, width in self.stats)
 
 
 class VmapTrainer:
@@ -281,7 +255,7 @@ class VmapTrainer:
         Returns:
             ``accuracy`` (n,), ``loss`` (n,), and ``counts`` (n, G, 2, 3) float64: per client,
             group a and true label y, the samples, predicted positives (class 1) and errors —
-            the input of :func:`mpifl.fairness.violations_from_counts` once summed over clients.
+            the input of :func:`mpifl.metrics.fairness.violations_from_counts` once summed over clients.
         """
         w = self._check_w(w)
         loss, acc, counts = self._client_stats(w, sample_idx, (sensitive, num_groups))

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
 from mpifl.clients.trainer import VmapTrainer, step_widths
-from mpifl.models import ParamLayout
+from mpifl.core.layout import ParamLayout
 
 # The estimate below is deliberately conservative: measured by peak RSS on CPU (torch 2.13), an
 # MLP 784-200-200-10 client with 480 samples, B = 50, E = 5 (40 traced steps) takes about 60 MB

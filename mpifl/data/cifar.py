@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 try:  # numpy >= 2 names its internals numpy._core; pickles from numpy 1 say numpy.core
     from numpy._core import multiarray as _multiarray

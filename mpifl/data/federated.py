@@ -23,7 +23,7 @@ from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
 from mpifl.data.synthetic import generate_synthetic
 from mpifl.data.tabular import TABULAR, load_tabular, standardise_numeric
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", *TABULAR)
 PARTITIONS = ("iid", "shards", "pathological", "dirichlet", "one_class_per_client", "natural",

@@ -23,7 +23,7 @@ from pathlib import Path
 from mpifl.data.roots import LAYOUTS, DatasetLayout, default_cache_root, locate_file
 from mpifl.data.tabular import LAYOUTS as TABULAR_LAYOUTS
 from mpifl.data.tabular import SHA256
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 _TIMEOUT_S = 60
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from mpifl.data.roots import locate_file
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 _DTYPES = {
     0x08: np.dtype(np.uint8),

@@ -2,7 +2,7 @@
 
 Every function is a pure function of the labels, K, a ``numpy.random.Generator`` and its
 parameters, and returns a list of K int64 index arrays into ``labels`` (disjoint; they cover the
-pool unless the docstring says otherwise). Bad parameters raise :class:`mpifl.errors.DataError`.
+pool unless the docstring says otherwise). Bad parameters raise :class:`mpifl.core.errors.DataError`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 DIRICHLET_MAX_DRAWS = 1000
 

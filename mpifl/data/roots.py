@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 SYSTEM_ROOT = Path("/usr/share/datasets")
 

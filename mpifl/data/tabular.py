@@ -66,7 +66,7 @@ from pathlib import Path
 import numpy as np
 
 from mpifl.data.roots import DatasetLayout, candidate_roots, locate_file
-from mpifl.errors import DataError
+from mpifl.core.errors import DataError
 
 TABULAR = ("adult", "compas", "german")
 

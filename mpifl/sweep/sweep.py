@@ -60,11 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpifl.config import parse_override, read_toml
-from mpifl.errors import ConfigError, MpiflError, OutputError
-from mpifl.signals import EXIT_CHECKPOINTED
+from mpifl.experiment.config import parse_override, read_toml
+from mpifl.core.errors import ConfigError, MpiflError, OutputError
+from mpifl.runtime.signals import EXIT_CHECKPOINTED
 
-log = logging.getLogger("mpifl.sweep")
+log = logging.getLogger("mpifl.sweep.sweep")
 
 SEED_KEYS = ("run.seed",)
 INDEX = "index.json"
@@ -299,7 +299,7 @@ def check(sweep: Sweep, point: Point) -> tuple[dict | None, str | None]:
     naming future algorithms still expand.
     """
     from mpifl.aggregators import available
-    from mpifl.config import load_config
+    from mpifl.experiment.config import load_config
 
     algo = point.params.get("server.algorithm") or _base_algorithm(sweep)
     if algo not in available():
@@ -416,7 +416,7 @@ def _results_status(path: Path) -> str | None:
 
 def _rounds_done(path: Path, config: dict | None) -> bool:
     """A complete results file ran as many rounds as the sweep now asks for."""
-    from mpifl.store import read_results
+    from mpifl.store.results import read_results
 
     if config is None:
         return True
@@ -425,7 +425,7 @@ def _rounds_done(path: Path, config: dict | None) -> bool:
 
 
 def _check_unchanged(folder: Path, runs: dict[str, RunState]) -> None:
-    from mpifl.config import config_diff, config_from_json
+    from mpifl.experiment.config import config_diff, config_from_json
 
     for r in runs.values():
         if r.status in ("new", "invalid") or r.config is None:
@@ -440,8 +440,8 @@ def _check_unchanged(folder: Path, runs: dict[str, RunState]) -> None:
 
 
 def _stored_config(path: Path) -> str | None:
-    from mpifl import checkpoint
-    from mpifl.store import read_results
+    from mpifl.store import checkpoint
+    from mpifl.store.results import read_results
 
     try:
         if path.exists():
@@ -775,7 +775,7 @@ def collect(folder: Path) -> list[dict[str, Any]]:
     Raises:
         OutputError: no index in ``folder``.
     """
-    from mpifl.report import summarise
+    from mpifl.report.tables import summarise
 
     if not (folder / INDEX).exists():
         raise OutputError(f"{folder}: not a sweep folder (no {INDEX}); mpifl report takes "
@@ -882,7 +882,7 @@ def _plot(groups: list[dict[str, Any]], title: str, path: Path, label) -> Path:
 def _mean_curves(paths: list[Path]):
     import numpy as np
 
-    from mpifl.store import read_results
+    from mpifl.store.results import read_results
 
     evs = [read_results(p)["eval"] for p in paths]
     n = min(len(e["round"]) for e in evs)

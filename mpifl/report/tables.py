@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mpifl.errors import OutputError
-from mpifl.store import read_results
+from mpifl.core.errors import OutputError
+from mpifl.store.results import read_results
 
 PER_CLIENT_MAX = 10
 

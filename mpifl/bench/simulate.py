@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 from tqdm.auto import tqdm
 
-from mpifl.bench import bench_device, machine_info, torch_threads
+from mpifl.bench.aggregation import bench_device, machine_info, torch_threads
 from mpifl.clients.trainer import VmapTrainer, client_minibatches
 
 #: the main job, the default base of the workload (when the repository's jobs/ is at hand)
@@ -158,7 +158,7 @@ def bench_simulate(*, config: str | Path | None = None, overrides: Sequence[str]
 
     Raises:
         ValueError: a count out of range or an unavailable device.
-        mpifl.errors.ConfigError / DataError: a bad config or missing data (one line).
+        mpifl.core.errors.ConfigError / DataError: a bad config or missing data (one line).
     """
     if clients_per_round < 1 or rounds < 1 or (batch_size is not None and batch_size < 0) \
             or (epochs is not None and epochs < 1) or (threads is not None and threads < 1):
@@ -173,8 +173,8 @@ def bench_simulate(*, config: str | Path | None = None, overrides: Sequence[str]
 
 def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, model, dev,
               progress) -> dict[str, Any]:
-    from mpifl.config import load_config
-    from mpifl.experiment import build_parts
+    from mpifl.experiment.config import load_config
+    from mpifl.experiment.run import build_parts
 
     path = config if config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     extra = [f"client.batch_size={batch_size}"] if batch_size is not None else []

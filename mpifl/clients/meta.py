@@ -9,16 +9,15 @@ which states the target distribution explicitly. The meta set is a seeded sample
 training pool (the union of the clients' train splits): IID (default), or group-balanced
 (equal counts per sensitive group, for fairness studies on data with a sensitive attribute).
 
-Server contract (the lead wires it): build ``meta = MetaStep.from_config(cfg, fed, model,
-layout, device)`` on rank 0 when :func:`uses_meta_step` is true, and after every aggregation
+Server contract: :func:`mpifl.experiment.assemble.meta_step_for` builds it on rank 0 when
+:func:`mpifl.experiment.assemble.uses_meta_step` is true, and after every aggregation
 (``w <- w - s``) set ``w = meta.apply(w)``. The step depends only on w and ``run.seed``: nothing
 to checkpoint, a resumed run rebuilds the same meta set.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,34 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad
 
-from mpifl.errors import ConfigError
-from mpifl.models import ParamLayout
+from mpifl.aggregators.fedmeta import SAMPLINGS, check_meta_params
+from mpifl.core.errors import ConfigError
+from mpifl.core.layout import ParamLayout
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mpifl.config import Config
     from mpifl.data.federated import FederatedData
 
-SAMPLINGS = ("iid", "group_balanced")
 # Keys the meta-set draw apart from every other (seed, ...) stream of mpifl.
 META_TAG = 0x6D6D6574
-
-
-def check_meta_params(eta_meta: Any, meta_size: Any, meta_sampling: Any) -> tuple[float, int, str]:
-    """``(eta_meta, meta_size, meta_sampling)`` validated: finite eta > 0, integer size >= 1,
-    a known sampling.
-
-    Raises:
-        ValueError: a value out of range.
-    """
-    eta = float(eta_meta)
-    if not (math.isfinite(eta) and eta > 0):
-        raise ValueError(f"fedmeta: eta_meta must be finite and > 0, got {eta_meta}")
-    if isinstance(meta_size, bool) or int(meta_size) != meta_size or meta_size < 1:
-        raise ValueError(f"fedmeta: meta_size must be an integer >= 1, got {meta_size}")
-    if meta_sampling not in SAMPLINGS:
-        raise ValueError(f"fedmeta: meta_sampling must be one of {SAMPLINGS}, got "
-                         f"{meta_sampling!r}")
-    return eta, int(meta_size), meta_sampling
 
 
 def meta_indices(fed: FederatedData, *, seed: int, size: int, sampling: str = "iid") -> np.ndarray:
@@ -133,14 +113,6 @@ class MetaStep:
         self.y = torch.as_tensor(fed.y[self.indices], dtype=torch.int64, device=self.device)
         self._grad = grad(self.loss)
 
-    @classmethod
-    def from_config(cls, cfg: Config, fed: FederatedData, model: nn.Module, layout: ParamLayout,
-                    device: str | torch.device = "cpu") -> MetaStep:
-        """The meta step of an experiment: ``cfg.fedmeta`` and ``cfg.run.seed``."""
-        m = cfg.fedmeta
-        return cls(fed, model, layout, seed=cfg.run.seed, meta_size=m.meta_size,
-                   eta_meta=m.eta_meta, meta_sampling=m.meta_sampling, device=device)
-
     def loss(self, w: Tensor) -> Tensor:
         """Mean cross-entropy of w ``(d,)`` on the meta set (a 0-d tensor)."""
         out = functional_call(self.model, self.layout.unflatten(w), (self.x.to(w.dtype),))
@@ -160,11 +132,3 @@ class MetaStep:
     def __repr__(self) -> str:
         return (f"MetaStep(meta_size={self.meta_size}, eta_meta={self.eta_meta}, "
                 f"meta_sampling={self.meta_sampling!r})")
-
-
-def uses_meta_step(cfg: Config) -> bool:
-    """Whether the server applies the meta step after every aggregation: the selected rule asks
-    for it (``meta_step = True``, e.g. ``fedmeta``) or ``server.meta = true``."""
-    from mpifl.aggregators import rule
-
-    return bool(getattr(rule(cfg.server.algorithm), "meta_step", False) or cfg.server.meta)

@@ -17,10 +17,10 @@ import torch
 from tqdm import tqdm
 
 from mpifl.aggregators import RoundUpdates
-from mpifl.checkpoint import Checkpoint, save
-from mpifl.fairness import violations_from_counts
-from mpifl.faults import accepted, dropped_out
-from mpifl.metrics import client_summary, count_conflicts, count_layer_conflicts
+from mpifl.store.checkpoint import Checkpoint, save
+from mpifl.metrics.fairness import violations_from_counts
+from mpifl.clients.faults import accepted, dropped_out
+from mpifl.metrics.summary import client_summary, count_conflicts, count_layer_conflicts
 
 log = logging.getLogger("mpifl.server")
 
@@ -58,17 +58,17 @@ class Server:
     """The round loop of rank 0.
 
     Args:
-        cfg: the validated :class:`mpifl.config.Config`.
+        cfg: the validated :class:`mpifl.experiment.config.Config`.
         fed: federated data (sample counts per client).
         layout: the model's :class:`mpifl.models.ParamLayout`.
-        clients: a :mod:`mpifl.backends` backend (in-process or MPI).
+        clients: a :mod:`mpifl.runtime.backends` backend (in-process or MPI).
         aggregator: from :func:`mpifl.aggregators.create`.
         writer: a :class:`mpifl.store.ResultsWriter` (its history goes into checkpoints).
         device: where aggregation runs.
         checkpoints: the checkpoint folder (``RUN.h5.ckpt``), or None for no checkpoints.
-        stop: a :class:`mpifl.signals.StopRequest`; when set, the loop checkpoints after the
+        stop: a :class:`mpifl.runtime.signals.StopRequest`; when set, the loop checkpoints after the
             current round and returns early.
-        meta: FedMeta's :class:`mpifl.meta.MetaStep`, applied after every aggregation, or None.
+        meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
     """
 
     def __init__(self, cfg, fed, layout, clients, aggregator, writer, device: torch.device,

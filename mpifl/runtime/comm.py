@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpifl.clients.trainer import Columns
+from mpifl.core.wire import Columns
 
 STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
 HEADER_LEN = 5

@@ -9,7 +9,6 @@ from rank 0, instead of a hang.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import shutil
 from dataclasses import dataclass
@@ -18,31 +17,21 @@ from typing import Callable, TypeVar
 
 import torch
 
-from mpifl import aggregators, checkpoint
-from mpifl.backends import LocalClients, RemoteClients, group_setup
-from mpifl.clients import TRAINERS
-from mpifl.comm import MPITransport, bcast_text, local_rank, world
-from mpifl.config import Config, config_diff, config_from_json
-from mpifl.data import load_federated
-from mpifl.errors import ConfigError, MpiflError, OutputError
-from mpifl.faults import NaNClients
-from mpifl.meta import MetaStep, uses_meta_step
-from mpifl.models import ParamLayout, build_model
-from mpifl.server import Server
-from mpifl.signals import EXIT_CHECKPOINTED, StopRequest
-from mpifl.store import ResultsWriter, preflight, read_results
-from mpifl.worker import serve
+from mpifl import aggregators
+from mpifl.core.errors import ConfigError, MpiflError, OutputError
+from mpifl.experiment.assemble import (Parts, build_parts, device_for, make_trainer, meta_step_for,
+                                       trainer_columns, uses_meta_step)
+from mpifl.experiment.config import Config, config_diff, config_from_json
+from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
+from mpifl.runtime.comm import MPITransport, bcast_text, world
+from mpifl.runtime.server import Server
+from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
+from mpifl.runtime.worker import serve
+from mpifl.store import checkpoint
+from mpifl.store.results import ResultsWriter, preflight, read_results
 
 log = logging.getLogger("mpifl")
 T = TypeVar("T")
-
-
-@dataclass
-class Parts:
-    fed: object
-    model: torch.nn.Module
-    layout: ParamLayout
-    w0: torch.Tensor  # (d,) float32 initial global parameters
 
 
 @dataclass
@@ -70,60 +59,6 @@ def agree(comm, fn: Callable[[], T]) -> T:
     if error:
         raise MpiflError(error)
     return result
-
-
-def device_for(cfg: Config, rank: int) -> torch.device:
-    """``server.device``: auto picks this rank's GPU (by local rank) when CUDA is present."""
-    if cfg.server.device == "cpu" or not torch.cuda.is_available():
-        if cfg.server.device == "cuda":
-            raise MpiflError("server.device: 'cuda' requested but no CUDA device is available")
-        return torch.device("cpu")
-    return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
-
-
-def build_parts(cfg: Config) -> Parts:
-    """Data, model and initial parameters, identical on every rank for the same config."""
-    d = cfg.data
-    fed = load_federated(
-        d.dataset, partition=d.partition, num_clients=d.num_clients, seed=cfg.run.seed,
-        train_fraction=d.train_fraction, data_root=d.data_root,
-        classes_per_client=d.classes_per_client, dirichlet_alpha=d.dirichlet_alpha,
-        classes=d.classes, synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
-        heterogeneity=d.heterogeneity, group_proportions=d.group_proportions,
-        sensitive_feature=d.sensitive_feature)
-    model = build_model(cfg.model.name, fed.input_shape, fed.num_classes,
-                        hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed)
-    layout = ParamLayout.from_module(model)
-    return Parts(fed, model, layout, layout.flatten_module(model).detach().clone())
-
-
-def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
-    """The trainer class of the selected rule and its keyword options: the client section,
-    overridden by the rule's own (e.g. FedFa's client momentum gamma_c)."""
-    c = cfg.client
-    rule = aggregators.rule(cfg.server.algorithm)
-    options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
-                   weight_decay=c.weight_decay, seed=cfg.run.seed,
-                   memory_budget_mb=c.memory_budget_mb)
-    options.update(rule.client_options(**cfg.algorithm_params()))
-    return TRAINERS[rule.trainer_kind], options
-
-
-def trainer_columns(cfg: Config, parts: Parts):
-    """The :class:`mpifl.clients.Columns` of the run's trainer, without building it (rank 0)."""
-    cls, options = _trainer_options(cfg, parts)
-    groups = group_setup(parts.fed, torch.device("cpu"))
-    return cls.columns_for(parts.layout.d, groups[1] if groups else 0, **options)
-
-
-def make_trainer(cfg: Config, parts: Parts, device: torch.device):
-    cls, options = _trainer_options(cfg, parts)
-    x = torch.from_numpy(parts.fed.x).to(device)
-    y = torch.from_numpy(parts.fed.y).to(device)
-    if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
-        options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
-    trainer = cls(parts.model, parts.layout, x, y, device=device, **options)
-    return NaNClients(trainer, cfg.faults.nan_clients) if cfg.faults.nan_clients else trainer
 
 
 def plan_start(cfg: Config | None, out: Path, mode: str, rounds: int | None = None) -> Start:
@@ -265,8 +200,7 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
                            personal_metrics=aggregator.personal_models,
                            history=start.ckpt.history if start.ckpt else None)
     try:
-        meta = (MetaStep.from_config(cfg, parts.fed, parts.model, parts.layout, device)
-                if uses_meta_step(cfg) else None)
+        meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None
         server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,
                         checkpoints=checkpoint.folder_for(out), stop=stop, world_size=size,
                         meta=meta)

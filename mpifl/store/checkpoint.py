@@ -31,10 +31,10 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpifl.errors import OutputError
-from mpifl.store import SCHEMA_VERSION, MetricHistory
+from mpifl.core.errors import OutputError
+from mpifl.store.results import SCHEMA_VERSION, MetricHistory
 
-log = logging.getLogger("mpifl.checkpoint")
+log = logging.getLogger("mpifl.store.checkpoint")
 
 KIND = "mpifl-checkpoint"
 KEEP = 2

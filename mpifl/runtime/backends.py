@@ -1,7 +1,7 @@
 """How the server reaches its clients: in this process (world size 1) or on MPI worker ranks.
 
 Both backends give the server loop the same calls (train, losses, evaluate, stop), so
-:mod:`mpifl.server` does not know where clients run. Timings, byte counts and peak memory come
+:mod:`mpifl.runtime.server` does not know where clients run. Timings, byte counts and peak memory come
 back with the results for /rounds.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpifl.comm import EvalReply, MPITransport, peak_rss_bytes, split_by_samples
+from mpifl.runtime.comm import EvalReply, MPITransport, peak_rss_bytes, split_by_samples
 
 
 @dataclass

@@ -33,8 +33,8 @@ import h5py
 import numpy as np
 
 from mpifl import __version__
-from mpifl.errors import OutputError
-from mpifl.metrics import SUMMARY_KEYS
+from mpifl.core.errors import OutputError
+from mpifl.metrics.summary import SUMMARY_KEYS
 
 SCHEMA_VERSION = 1
 

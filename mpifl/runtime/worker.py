@@ -11,8 +11,8 @@ import time
 import numpy as np
 import torch
 
-from mpifl.backends import evaluate, group_setup, stats_rows
-from mpifl.comm import EVAL, LOSSES, STOP, TRAIN, MPITransport, split_by_samples
+from mpifl.runtime.backends import evaluate, group_setup, stats_rows
+from mpifl.runtime.comm import EVAL, LOSSES, STOP, TRAIN, MPITransport, split_by_samples
 
 
 def serve(transport: MPITransport, trainer, fed, device: torch.device) -> int:

@@ -2,7 +2,7 @@
 
 Every section is a pydantic model with ``extra="forbid"`` and strict types, so an unknown key, a
 wrong type or an out-of-range value is caught before any rank does work. :func:`load_config`
-turns pydantic's report into one :class:`~mpifl.errors.ConfigError` line that names the key and,
+turns pydantic's report into one :class:`~mpifl.core.errors.ConfigError` line that names the key and,
 for unknown keys, suggests the closest known one.
 
 Each algorithm has its own table (``[fedfv]``, ``[fedavg]``), so ``--set server.algorithm=fedavg``
@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mpifl.errors import ConfigError
+from mpifl.core.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,0 +1,100 @@
+"""Assembling an experiment's parts from its config, identically on every rank: the device, the
+federated data, the model and its initial parameters, the trainer, the meta step."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from mpifl import aggregators
+from mpifl.clients import TRAINERS
+from mpifl.clients.faults import NaNClients
+from mpifl.clients.meta import MetaStep
+from mpifl.core.errors import MpiflError
+from mpifl.core.layout import ParamLayout
+from mpifl.data import load_federated
+from mpifl.experiment.config import Config
+from mpifl.models import build_model
+from mpifl.runtime.backends import group_setup
+from mpifl.runtime.comm import local_rank
+
+
+@dataclass
+class Parts:
+    fed: object
+    model: torch.nn.Module
+    layout: ParamLayout
+    w0: torch.Tensor  # (d,) float32 initial global parameters
+
+
+def device_for(cfg: Config, rank: int) -> torch.device:
+    """``server.device``: auto picks this rank's GPU (by local rank) when CUDA is present."""
+    if cfg.server.device == "cpu" or not torch.cuda.is_available():
+        if cfg.server.device == "cuda":
+            raise MpiflError("server.device: 'cuda' requested but no CUDA device is available")
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
+
+
+def build_parts(cfg: Config) -> Parts:
+    """Data, model and initial parameters, identical on every rank for the same config."""
+    d = cfg.data
+    fed = load_federated(
+        d.dataset, partition=d.partition, num_clients=d.num_clients, seed=cfg.run.seed,
+        train_fraction=d.train_fraction, data_root=d.data_root,
+        classes_per_client=d.classes_per_client, dirichlet_alpha=d.dirichlet_alpha,
+        classes=d.classes, synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
+        heterogeneity=d.heterogeneity, group_proportions=d.group_proportions,
+        sensitive_feature=d.sensitive_feature)
+    model = build_model(cfg.model.name, fed.input_shape, fed.num_classes,
+                        hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed)
+    layout = ParamLayout.from_module(model)
+    return Parts(fed, model, layout, layout.flatten_module(model).detach().clone())
+
+
+def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
+    """The trainer class of the selected rule and its keyword options: the client section,
+    overridden by the rule's own (e.g. FedFa's client momentum gamma_c)."""
+    c = cfg.client
+    rule = aggregators.rule(cfg.server.algorithm)
+    options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
+                   weight_decay=c.weight_decay, seed=cfg.run.seed,
+                   memory_budget_mb=c.memory_budget_mb)
+    options.update(rule.client_options(**cfg.algorithm_params()))
+    return TRAINERS[rule.trainer_kind], options
+
+
+def trainer_columns(cfg: Config, parts: Parts):
+    """The :class:`mpifl.clients.Columns` of the run's trainer, without building it (rank 0)."""
+    cls, options = _trainer_options(cfg, parts)
+    groups = group_setup(parts.fed, torch.device("cpu"))
+    return cls.columns_for(parts.layout.d, groups[1] if groups else 0, **options)
+
+
+def make_trainer(cfg: Config, parts: Parts, device: torch.device):
+    cls, options = _trainer_options(cfg, parts)
+    x = torch.from_numpy(parts.fed.x).to(device)
+    y = torch.from_numpy(parts.fed.y).to(device)
+    if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
+        options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
+    trainer = cls(parts.model, parts.layout, x, y, device=device, **options)
+    return NaNClients(trainer, cfg.faults.nan_clients) if cfg.faults.nan_clients else trainer
+
+
+
+
+def uses_meta_step(cfg: Config) -> bool:
+    """Whether the server applies FedMeta's meta step after every aggregation: the selected rule
+    asks for it (``meta_step = True``, e.g. ``fedmeta``) or ``server.meta = true``."""
+    return bool(getattr(aggregators.rule(cfg.server.algorithm), "meta_step", False)
+                or cfg.server.meta)
+
+
+def meta_step_for(cfg: Config, parts: Parts, device: torch.device | str = "cpu") -> MetaStep:
+    """The meta step of an experiment: ``cfg.fedmeta`` and ``cfg.run.seed`` (rank 0)."""
+    m = cfg.fedmeta
+    return MetaStep(parts.fed, parts.model, parts.layout, seed=cfg.run.seed,
+                    meta_size=m.meta_size, eta_meta=m.eta_meta, meta_sampling=m.meta_sampling,
+                    device=device)

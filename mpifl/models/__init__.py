@@ -1,0 +1,10 @@
+"""models — the model zoo (SPEC §9) behind the model registry, and the contract that vmapped
+training needs from a model (float32 parameters, no buffers).
+
+May import: core, metrics.  Never imports: data, aggregators, store or anything above them.
+"""
+
+from mpifl.core.layout import Layer, ParamLayout
+from mpifl.models.zoo import MODELS, OUTPUTS, build_model
+
+__all__ = ["MODELS", "OUTPUTS", "Layer", "ParamLayout", "build_model"]
