@@ -4,7 +4,7 @@
     mpifl bench aggregation --m 60 --d 12450,49800,199210,796840 --out runs/agg-d.h5
     python analysis/agg_scaling.py runs/agg-m.h5 runs/agg-d.h5 --out runs/agg_scaling.png
 
-Reads the benchmark's HDF5 files (plain datasets, no pickle; layout in :mod:`mpifl.bench`; several
+Reads the benchmark's HDF5 files (plain datasets, no pickle; layout in :mod:`mpifl.bench.aggregation`; several
 files are merged, the first one's value winning where a case repeats) and draws two panels: the
 median time of one ``aggregate()`` against clients per round m and against the model size d, one
 line per algorithm (FedFV's direct form as ``fedfv_direct``), both axes logarithmic.
@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from mpifl.bench import read_hdf5  # noqa: E402
+from mpifl.bench.aggregation import read_hdf5  # noqa: E402
 
 
 def _pick_tau(tau: np.ndarray) -> int:

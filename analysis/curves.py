@@ -17,8 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mpifl.errors import MpiflError  # noqa: E402
-from mpifl.store import read_results  # noqa: E402
+from mpifl.core.errors import MpiflError  # noqa: E402
+from mpifl.store.results import read_results  # noqa: E402
 
 PANELS = [("mean", "mean accuracy (%)", 100.0), ("worst5", "worst-5% accuracy (%)", 100.0),
           ("std", "std of client accuracy (pp)", 1.0)]

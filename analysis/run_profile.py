@@ -25,8 +25,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from mpifl.errors import MpiflError  # noqa: E402
-from mpifl.store import read_results  # noqa: E402
+from mpifl.core.errors import MpiflError  # noqa: E402
+from mpifl.store.results import read_results  # noqa: E402
 
 PHASES = ("time_broadcast", "time_train", "time_gather", "time_aggregate", "time_eval",
           "time_checkpoint")

@@ -19,7 +19,7 @@ import torch
 
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError, MpiflError, OutputError
-from mpifl.experiment.assemble import (Parts, build_parts, device_for, make_trainer, meta_step_for,
+from mpifl.experiment.assemble import (build_parts, device_for, make_trainer, meta_step_for,
                                        trainer_columns, uses_meta_step)
 from mpifl.experiment.config import Config, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
