@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.gram import gram
+from mpifl.aggregators.history import HistoryRing
 
 ORDERS = ("loss", "random", "reverse")
 WINDOWS = ("paper", "flgo")
@@ -86,15 +86,9 @@ def internal_coefficients(G: np.ndarray, po: np.ndarray, kept: np.ndarray) -> np
     return C
 
 
-@dataclass
-class _Block:
-    """One stored round of history: the rows of ``updates`` whose ``latest`` flag is still set
-    are the clients' latest updates (SPEC's ``H[k]``); a later round supersedes the others."""
-
-    round: int
-    ids: np.ndarray          # (m_r,) int64
-    updates: torch.Tensor    # (m_r, d)
-    latest: np.ndarray       # (m_r,) bool
+#: the checkpoint keys of the history ring (the layout FedFV has always written)
+_RING_KEYS = {"rounds": "history_rounds", "sizes": "history_sizes",
+              "ids": "history_client_ids", "latest": "history_latest", "rows": "history_updates"}
 
 
 @register("fedfv")
@@ -111,8 +105,10 @@ class FedFV(Aggregator):
             ``"flgo"`` (the later reference code: rounds ``t-tau+1 .. t``, current round included).
         seed: keys the ``"random"`` order's RNG together with the round.
 
-    History is a ring of at most ``tau`` stored rounds (``tau - 1`` for ``"flgo"``; the current
-    round is the input itself): O(tau m d) memory however many clients exist.
+    History is a :class:`~mpifl.aggregators.history.HistoryRing` of at most ``tau`` stored
+    rounds (``tau - 1`` for ``"flgo"``; the current round is the input itself), each row
+    flagged while it is its client's latest update (SPEC's ``H[k]``): O(tau m d) memory however
+    many clients exist.
 
     Raises:
         ValueError: a hyper-parameter out of range; in ``aggregate``, a round that is not later
@@ -124,7 +120,7 @@ class FedFV(Aggregator):
         super().__init__(seed=seed)
         self.alpha, self.tau = check_params(alpha, tau, order, external_window)
         self.order, self.external_window = order, external_window
-        self._blocks: list[_Block] = []
+        self._ring = HistoryRing("fedfv")
         self._last_round = -1
 
     # ---- public -----------------------------------------------------------------------------
@@ -132,7 +128,7 @@ class FedFV(Aggregator):
     @property
     def history_rows(self) -> int:
         """Update rows held in the history ring (superseded rows included)."""
-        return sum(b.updates.shape[0] for b in self._blocks)
+        return self._ring.num_rows
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
@@ -148,7 +144,7 @@ class FedFV(Aggregator):
         C = internal_coefficients(G, po, kept)
         a = (1.0 - C.sum(axis=0)) / m                # g = (1/m) 1^T (I - C) U
         g = torch.as_tensor(a, dtype=U.dtype, device=U.device) @ U
-        self._supersede(r.client_ids)                # history takes the current round first
+        self._ring.supersede(r.client_ids)           # history takes the current round first
         g = self._external(g, r)
         self._push(r)
         return _rescale(g, U)
@@ -159,20 +155,10 @@ class FedFV(Aggregator):
         ``history_updates`` is (N, d) with the blocks' rows stacked; ``history_sizes`` (B,)
         splits it back into the ``history_rounds`` (B,) blocks.
         """
-        blocks = self._blocks
-        rows = (torch.cat([b.updates for b in blocks]).cpu().numpy() if blocks
-                else np.zeros((0, 0), dtype=np.float32))
         return {
             "alpha": self.alpha, "tau": self.tau, "order": self.order,
             "external_window": self.external_window, "seed": self.seed,
-            "last_round": self._last_round,
-            "history_rounds": np.array([b.round for b in blocks], dtype=np.int64),
-            "history_sizes": np.array([len(b.ids) for b in blocks], dtype=np.int64),
-            "history_client_ids": np.concatenate([b.ids for b in blocks]
-                                                 or [np.zeros(0, np.int64)]),
-            "history_latest": np.concatenate([b.latest for b in blocks]
-                                             or [np.zeros(0, bool)]).astype(np.uint8),
-            "history_updates": rows,
+            "last_round": self._last_round, **self._ring.state_dict(**_RING_KEYS),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -184,8 +170,7 @@ class FedFV(Aggregator):
                 this object's (a resumed run must use the same configuration).
         """
         missing = {"alpha", "tau", "order", "external_window", "seed", "last_round",
-                   "history_rounds", "history_sizes", "history_client_ids", "history_latest",
-                   "history_updates"} - set(state)
+                   *_RING_KEYS.values()} - set(state)
         if missing:
             raise ValueError(f"fedfv state is missing {sorted(missing)}")
         for key in ("alpha", "tau", "order", "external_window", "seed"):
@@ -193,19 +178,7 @@ class FedFV(Aggregator):
             if saved != getattr(self, key):
                 raise ValueError(f"fedfv state was saved with {key}={saved!r}, "
                                  f"this aggregator has {key}={getattr(self, key)!r}")
-        sizes = np.asarray(state["history_sizes"], dtype=np.int64)
-        rounds = np.asarray(state["history_rounds"], dtype=np.int64)
-        ids = np.asarray(state["history_client_ids"], dtype=np.int64)
-        latest = np.asarray(state["history_latest"]).astype(bool)
-        rows = np.asarray(state["history_updates"])
-        n = int(sizes.sum())
-        if len(rounds) != len(sizes) or len(ids) != n or len(latest) != n or rows.shape[0] != n:
-            raise ValueError("fedfv state: history arrays have inconsistent lengths")
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
-        self._blocks = [
-            _Block(int(rd), ids[a:b].copy(), torch.tensor(rows[a:b]), latest[a:b].copy())
-            for rd, a, b in zip(rounds, bounds[:-1], bounds[1:])
-        ]
+        self._ring.load_state_dict(state, **_RING_KEYS)
         self._last_round = int(state_scalar(state["last_round"]))
 
     def __repr__(self) -> str:
@@ -216,54 +189,34 @@ class FedFV(Aggregator):
 
     def _check_round(self, r: RoundUpdates) -> None:
         check_round_order("fedfv", r.round, self._last_round)
-        for b in self._blocks:
-            if b.updates.shape[1] != r.d:
-                raise ValueError(f"fedfv: update dimension changed from {b.updates.shape[1]} "
-                                 f"to {r.d}")
-            # after a checkpoint load the blocks sit on the CPU; move them once
-            b.updates = b.updates.to(device=r.updates.device, dtype=r.updates.dtype)
-
-    def _supersede(self, ids: np.ndarray) -> None:
-        """Clients of the current round now have a newer update: their stored ones are dead."""
-        for b in self._blocks:
-            b.latest &= ~np.isin(b.ids, ids)
+        # after a checkpoint load the rows sit on the CPU; moved once
+        self._ring.prepare(r.d, r.updates.device, r.updates.dtype)
 
     def _push(self, r: RoundUpdates) -> None:
         """Store the current round if a later round can use it, and drop what none can.
 
         The round is copied (the server may reuse its gather buffer for the next round) into
-        the rows of a block being dropped when one has the same shape: a fresh (m, d)
-        allocation pays its page faults every round (a third of the call at m = 60,
+        the rows of a block being dropped when one has the same shape (``copy=True``): a fresh
+        (m, d) allocation pays its page faults every round (a third of the call at m = 60,
         d = 199,210 on the 2-core VM).
         """
         self._last_round = r.round
         # a later round t' uses stored rounds >= t' - tau (paper) or >= t' - tau + 1 (flgo)
         keep = self.tau if self.external_window == "paper" else self.tau - 1
-
-        def alive(b: _Block) -> bool:
-            return b.round > r.round - keep and b.latest.any()
-
+        horizon = r.round - keep + 1
         if keep > 0:
-            U = r.updates
-            spare = next((b.updates for b in self._blocks if not alive(b)
-                          and b.updates.shape == U.shape and b.updates.dtype == U.dtype
-                          and b.updates.device == U.device), None)
-            rows = U.clone() if spare is None else spare.copy_(U)
-            self._blocks.append(_Block(r.round, r.client_ids.copy(), rows,
-                                       np.ones(r.m, dtype=bool)))
-        self._blocks = [b for b in self._blocks if alive(b)]
+            self._ring.push(r.round, r.client_ids, r.updates, horizon=horizon, copy=True)
+        else:
+            self._ring.drop(horizon)
 
     def _window(self, r: RoundUpdates) -> list[tuple[torch.Tensor, np.ndarray]]:
-        """The (rows, latest) blocks of Algorithm 3, oldest round first."""
-        t, tau = r.round, self.tau
-        offsets = range(tau, 0, -1) if self.external_window == "paper" else range(tau - 1, -1, -1)
-        stored = {b.round: b for b in self._blocks}
-        out = []
-        for i in offsets:
-            if i == 0:
-                out.append((r.updates, np.ones(r.m, dtype=bool)))
-            elif (b := stored.get(t - i)) is not None:
-                out.append((b.updates, b.latest))
+        """The (rows, latest) blocks of Algorithm 3, oldest round first: rounds ``t - tau ..
+        t - 1`` (paper) or ``t - tau + 1 .. t`` (flgo, the current round last)."""
+        paper = self.external_window == "paper"
+        out = [(b.rows, b.latest)
+               for b in self._ring.since(r.round - (self.tau if paper else self.tau - 1))]
+        if not paper:
+            out.append((r.updates, np.ones(r.m, dtype=bool)))
         return out
 
     def _external(self, g: torch.Tensor, r: RoundUpdates) -> torch.Tensor:

@@ -42,12 +42,13 @@ seen so far (``server.clients_per_round`` unless every round so far lost clients
 rejection), which can only grow. At most m new clients join per round, so tau grows by at most
 one per round and the window's left end ``t - tau`` never moves back: after round t, rounds
 before ``t + 1 - floor(M/m)`` (M counted after round t) can never be used again and are freed.
-**Memory bound:** the history holds only each client's latest gradient (superseded rows are
-freed at once), and only while a later round can still use it: at most ``min(M, floor(M/m) m)
-<= M`` rows of d floats. The rule itself grows with K: with uniform sampling, once
-all K clients have been seen, ``tau = K/m`` and about ``(1 - 1/e) K`` clients are within the
-window, so the history approaches O(K d) by design of the paper's rule, as in the reference code
-(which keeps every client's last gradient). Seen clients cost two int64 each.
+**Memory bound:** the history (a :class:`~mpifl.aggregators.history.HistoryRing`) holds only
+each client's latest gradient (superseded rows are freed at once), and only while a later
+round can still use it: at most ``min(M, floor(M/m) m) <= M`` rows of d floats. The rule
+itself grows with K: with uniform sampling, once all K clients have been seen, ``tau = K/m``
+and about ``(1 - 1/e) K`` clients are within the window, so the history approaches O(K d) by
+design of the paper's rule, as in the reference code (which keeps every client's last
+gradient). Seen clients cost two int64 each.
 
 **Conflict fallback** (SPEC §5.7). After rescaling, if some selected client has
 ``g_k · d < -1e-6 ||g_k|| ||d||``, the unscaled d is used. The test is invariant under rescaling,
@@ -76,6 +77,7 @@ import torch
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.gram import gram
+from mpifl.aggregators.history import HistoryRing, Selection
 from mpifl.aggregators.qp import solve_simplex_qp
 
 ZERO_TOL = 1e-8          # d_l is zero when ||d_l|| <= ZERO_TOL * mu_l (see the module docstring)
@@ -247,13 +249,10 @@ def _fair_row(Kc: np.ndarray, scale: np.ndarray, h: np.ndarray, mu: float) -> np
     return a * (mu / norm)
 
 
-@dataclass
-class _Block:
-    """The gradients ``g = u / lr`` of one round's clients that are still their latest."""
-
-    round: int
-    ids: np.ndarray          # (b,) int64
-    rows: torch.Tensor       # (b, d)
+#: the checkpoint keys of the history ring (the layout FedLF has always written); superseded
+#: rows are freed at once, so no ``latest`` flags
+_RING_KEYS = {"rounds": "history_rounds", "sizes": "history_sizes",
+              "ids": "history_client_ids", "rows": "history_rows"}
 
 
 @register("fedlf")
@@ -281,7 +280,7 @@ class FedLF(Aggregator):
             raise ValueError(f"fedlf: zero_tol must be in (0, 1), got {zero_tol!r}")
         self.zero_tol = float(zero_tol)
         self._seen: dict[int, int] = {}      # client -> round of its latest gradient
-        self._blocks: list[_Block] = []
+        self._ring = HistoryRing("fedlf")    # absent clients' latest gradients g = u / lr
         self._m_ref = 0                      # nominal round size: the largest m so far
         self._last_round = -1
         self.last_direction: Direction | None = None
@@ -294,7 +293,7 @@ class FedLF(Aggregator):
     @property
     def history_rows(self) -> int:
         """Gradient rows held for absent clients."""
-        return sum(len(b.ids) for b in self._blocks)
+        return self._ring.num_rows
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
@@ -304,11 +303,11 @@ class FedLF(Aggregator):
         g = U / r.lr
         self._m_ref = max(self._m_ref, m)
         self.last_tau = self._tau(len(self._seen))
-        hist_ids, hist_rows = self._history(r.round, r.client_ids, self.last_tau)
-        X = torch.cat([g, hist_rows.to(device=U.device, dtype=U.dtype)]) if len(hist_ids) else g
+        hist = self._history(r.round, r.client_ids, self.last_tau)
+        X = torch.cat([g, hist.rows]) if len(hist) else g
         direction = fedlf_direction(X, m, r.losses.cpu().numpy(), r.layers, self.zero_tol)
         d = self._rescale(direction.d, g)
-        self.last_direction, self.last_history_ids = direction, hist_ids
+        self.last_direction, self.last_history_ids = direction, hist.ids
         self._record(r, g)
         return (r.lr * d).to(dtype=U.dtype)
 
@@ -316,17 +315,11 @@ class FedLF(Aggregator):
         """Counters, the clients seen (sorted by id) and the history blocks as flat arrays:
         ``history_rows`` (N, d) stacks the blocks' rows, ``history_sizes`` (B,) splits it."""
         ids = np.array(sorted(self._seen), dtype=np.int64)
-        blocks = self._blocks
         return {
             "zero_tol": self.zero_tol, "seed": self.seed, "last_round": self._last_round,
             "m_ref": self._m_ref, "seen_ids": ids,
             "seen_rounds": np.array([self._seen[int(k)] for k in ids], dtype=np.int64),
-            "history_rounds": np.array([b.round for b in blocks], dtype=np.int64),
-            "history_sizes": np.array([len(b.ids) for b in blocks], dtype=np.int64),
-            "history_client_ids": np.concatenate([b.ids for b in blocks]
-                                                 or [np.zeros(0, np.int64)]),
-            "history_rows": (torch.cat([b.rows for b in blocks]).cpu().numpy() if blocks
-                             else np.zeros((0, 0), dtype=np.float32)),
+            **self._ring.state_dict(**_RING_KEYS),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -337,7 +330,7 @@ class FedLF(Aggregator):
             ValueError: missing keys, inconsistent arrays, or a different ``zero_tol``.
         """
         keys = {"zero_tol", "seed", "last_round", "m_ref", "seen_ids", "seen_rounds",
-                "history_rounds", "history_sizes", "history_client_ids", "history_rows"}
+                *_RING_KEYS.values()}
         if missing := keys - set(state):
             raise ValueError(f"fedlf state is missing {sorted(missing)}")
         if float(state_scalar(state["zero_tol"])) != self.zero_tol:
@@ -345,18 +338,10 @@ class FedLF(Aggregator):
                              f"this aggregator has zero_tol={self.zero_tol}")
         seen_ids = np.asarray(state["seen_ids"], dtype=np.int64)
         seen_rounds = np.asarray(state["seen_rounds"], dtype=np.int64)
-        sizes = np.asarray(state["history_sizes"], dtype=np.int64)
-        rounds = np.asarray(state["history_rounds"], dtype=np.int64)
-        ids = np.asarray(state["history_client_ids"], dtype=np.int64)
-        rows = np.asarray(state["history_rows"])
-        n = int(sizes.sum())
-        if (len(seen_ids) != len(seen_rounds) or len(rounds) != len(sizes) or len(ids) != n
-                or rows.shape[0] != n):
+        if len(seen_ids) != len(seen_rounds):
             raise ValueError("fedlf state: arrays have inconsistent lengths")
-        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        self._ring.load_state_dict(state, **_RING_KEYS)
         self._seen = {int(k): int(t) for k, t in zip(seen_ids, seen_rounds)}
-        self._blocks = [_Block(int(rd), ids[a:b].copy(), torch.tensor(rows[a:b]))
-                        for rd, a, b in zip(rounds, bounds[:-1], bounds[1:])]
         self._m_ref = int(state_scalar(state["m_ref"]))
         self._last_round = int(state_scalar(state["last_round"]))
 
@@ -388,39 +373,22 @@ class FedLF(Aggregator):
         """``floor(M / m)`` when ``M > m`` (m the nominal round size), else 0 (no history)."""
         return seen // self._m_ref if seen > self._m_ref else 0
 
-    def _history(self, t: int, selected: np.ndarray, tau: int
-                 ) -> tuple[np.ndarray, torch.Tensor]:
-        """Ids and rows of the absent clients whose latest gradient is at most tau rounds old,
+    def _history(self, t: int, selected: np.ndarray, tau: int) -> Selection:
+        """The absent clients whose latest gradient is at most tau rounds old (ids, rows),
         oldest round first."""
-        ids, rows = [], []
-        for b in self._blocks:
-            if tau > 0 and t - b.round <= tau:
-                keep = ~np.isin(b.ids, selected)
-                ids.append(b.ids[keep])
-                rows.append(b.rows[torch.as_tensor(keep, device=b.rows.device)])
-        if not ids or not sum(len(i) for i in ids):
-            return np.zeros(0, dtype=np.int64), torch.zeros(0)
-        return np.concatenate(ids), torch.cat(rows)
+        return self._ring.absent(selected, since=t - tau)   # tau = 0: no stored round
 
     def _record(self, r: RoundUpdates, g: torch.Tensor) -> None:
         """Store this round's gradients, free superseded rows and rows no later round can use."""
         self._last_round = r.round
         for k in r.client_ids:
             self._seen[int(k)] = r.round
-        for b in self._blocks:
-            keep = ~np.isin(b.ids, r.client_ids)
-            if not keep.all():
-                b.ids, b.rows = b.ids[keep], b.rows[torch.as_tensor(keep, device=b.rows.device)]
-        self._blocks.append(_Block(r.round, r.client_ids.copy(), g))  # g is a fresh tensor
+        self._ring.supersede(r.client_ids, free=True)
         # No later round t' uses a round before t+1-T, T = floor(M/m) now: at most m new clients
         # join per round and m only grows, so tau grows by at most 1 per round (docstring).
         horizon = r.round + 1 - len(self._seen) // self._m_ref
-        self._blocks = [b for b in self._blocks if len(b.ids) and b.round >= horizon]
+        self._ring.push(r.round, r.client_ids, g, horizon=horizon)    # g is a fresh tensor
 
     def _check_round(self, r: RoundUpdates) -> None:
         check_round_order("fedlf", r.round, self._last_round)
-        for b in self._blocks:
-            if b.rows.shape[1] != r.d:
-                raise ValueError(f"fedlf: update dimension changed from {b.rows.shape[1]} "
-                                 f"to {r.d}")
-            b.rows = b.rows.to(device=r.updates.device, dtype=r.updates.dtype)
+        self._ring.prepare(r.d, r.updates.device, r.updates.dtype)

@@ -73,9 +73,10 @@ and h), so one GEMM ``K = X X^T`` gives ``P = S K S^T``, the norms, ``||mean ĝ|
 dots ``Q d0 = P λ``; one GEMV ``v = (rho S^T λ) X`` gives d. Candidates are ``(eta v)`` cast to
 the updates' dtype, and the returned step is exactly the candidate that was evaluated.
 
-**State** (``state_dict``): the last round's live client ids, their updates (m x d, dtype of the
-updates) and rescaling coefficients (history row = coef * update), and for every client seen
-its expected loss and participation count: O(m d + K).
+**State** (``state_dict``; the history is a one-round
+:class:`~mpifl.aggregators.history.HistoryRing`): the last round's live client ids, their
+updates (m x d, dtype of the updates) and rescaling coefficients (history row = coef *
+update), and for every client seen its expected loss and participation count: O(m d + K).
 
 Defaults: ``theta = 11.25`` degrees (pi/16, the paper's and the reference code's), ``s = 5``.
 """
@@ -90,6 +91,7 @@ import torch
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
 from mpifl.aggregators.gram import gram
+from mpifl.aggregators.history import HistoryRing
 from mpifl.aggregators.qp import solve_simplex_qp
 
 LIVE_TOL = 1e-6          # a client is live when ||g_k|| > LIVE_TOL (absolute, reference code)
@@ -97,6 +99,9 @@ ZERO_TOL = 1e-8          # d0 is zero when ||d0|| <= ZERO_TOL * mu
 PARALLEL_TOL = 1e-12     # no fair row when sin(angle(L, 1)) <= PARALLEL_TOL
 CONFLICT_TOL = 1e-6      # relative conflict test after rescaling (step 7)
 ARMIJO_BETA = 1e-4       # the reference code's beta
+
+#: the checkpoint keys of the one-round history ring (the layout FedMDFG has always written)
+_RING_KEYS = {"ids": "last_ids", "rows": "last_rows", "coef": "last_coef"}
 
 
 def loss_angle(losses) -> float:
@@ -171,9 +176,8 @@ class FedMDFG(Aggregator):
         self.s = int(s)
         self._expected: dict[int, float] = {}     # client -> expected loss
         self._joins: dict[int, int] = {}          # client -> participations
-        self._last_ids = np.zeros(0, dtype=np.int64)
-        self._last_rows: torch.Tensor | None = None   # (n, d) raw updates of last live clients
-        self._last_coef = np.zeros(0)                 # history row = coef * update
+        # one round: the last live clients' raw updates; history row = coef * update
+        self._ring = HistoryRing("fedmdfg", scalars={"coef": np.float64})
         self._last_round = -1
         self._reset_diagnostics()
 
@@ -187,10 +191,7 @@ class FedMDFG(Aggregator):
                              "weights, but RoundUpdates.loss_at is None (the server must "
                              "provide the evaluation-only request)")
         check_round_order("fedmdfg", r.round, self._last_round)
-        if self._last_rows is not None and len(self._last_ids) and \
-                self._last_rows.shape[1] != r.d:
-            raise ValueError(f"fedmdfg: update dimension changed from "
-                             f"{self._last_rows.shape[1]} to {r.d}")
+        self._ring.prepare(r.d, r.updates.device, r.updates.dtype)
         losses = r.losses.double().cpu().numpy()
         if not np.isfinite(losses).all():
             raise ValueError("fedmdfg: losses must be finite")
@@ -202,13 +203,9 @@ class FedMDFG(Aggregator):
         self.last_forced = 0 < self.last_rose < m
         self._last_round = r.round
 
-        hist = ~np.isin(self._last_ids, r.client_ids)
-        self.last_history_ids = self._last_ids[hist]
-        rows = [U]
-        if hist.any():
-            rows.append(self._last_rows.to(device=U.device, dtype=U.dtype)[
-                torch.as_tensor(hist, device=U.device)])
-        X = torch.cat(rows).to(torch.float64)
+        hist = self._ring.absent(r.client_ids)
+        self.last_history_ids = hist.ids
+        X = (torch.cat([U, hist.rows]) if len(hist) else U).to(torch.float64)
         K = gram(X)                                             # the one O(n^2 d) product
         norms = np.sqrt(np.clip(np.diag(K), 0.0, None))
         live = np.flatnonzero(norms[:m] / r.lr > LIVE_TOL)
@@ -226,11 +223,11 @@ class FedMDFG(Aggregator):
         h = guidance_weights(L) if (self.last_angle > self.theta or self.last_forced) else None
         self.last_guidance = h is not None
 
-        S = np.zeros((n + (h is not None) + int(hist.sum()), N))
+        S = np.zeros((n + (h is not None) + len(hist), N))
         S[np.arange(n), live] = a[live]
         if h is not None:
             S[n, live] = h * a[live]
-        S[np.arange(N - m) + n + (h is not None), np.arange(m, N)] = self._last_coef[hist]
+        S[np.arange(N - m) + n + (h is not None), np.arange(m, N)] = hist.scalars["coef"]
         P = S @ K @ S.T
         lam, self.last_status, _ = solve_simplex_qp(P)
         self.last_lambda = lam
@@ -250,7 +247,7 @@ class FedMDFG(Aggregator):
         coef = torch.as_tensor(rho * (S.T @ lam), dtype=torch.float64, device=X.device)
         v = coef @ X                                            # d, the one GEMV out
         self.last_direction = v
-        rate = self._line_search(r, live, L, v, same_users=not hist.any())
+        rate = self._line_search(r, live, L, v, same_users=not len(hist))
         self.last_rate = rate
         return (rate * v).to(U.dtype) if rate > 0 else zero
 
@@ -258,16 +255,12 @@ class FedMDFG(Aggregator):
         """The last round's live clients (ids, updates, rescaling coefficients) and every seen
         client's expected loss and participation count (sorted by id)."""
         ids = np.array(sorted(self._expected), dtype=np.int64)
-        rows = (self._last_rows.cpu().numpy() if self._last_rows is not None
-                else np.zeros((0, 0), dtype=np.float32))
         return {
             "last_round": self._last_round,
             "loss_ids": ids,
             "loss_expected": np.array([self._expected[int(k)] for k in ids], dtype=np.float64),
             "loss_joins": np.array([self._joins[int(k)] for k in ids], dtype=np.int64),
-            "last_ids": self._last_ids.copy(),
-            "last_coef": self._last_coef.copy(),
-            "last_rows": rows,
+            **self._ring.state_dict(**_RING_KEYS),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -277,23 +270,18 @@ class FedMDFG(Aggregator):
         Raises:
             ValueError: missing keys or inconsistent arrays.
         """
-        keys = {"last_round", "loss_ids", "loss_expected", "loss_joins", "last_ids",
-                "last_coef", "last_rows"}
+        keys = {"last_round", "loss_ids", "loss_expected", "loss_joins", *_RING_KEYS.values()}
         if missing := keys - set(state):
             raise ValueError(f"fedmdfg state is missing {sorted(missing)}")
         ids = np.asarray(state["loss_ids"], dtype=np.int64).reshape(-1)
         exp = np.asarray(state["loss_expected"], dtype=np.float64).reshape(-1)
         joins = np.asarray(state["loss_joins"], dtype=np.int64).reshape(-1)
-        last_ids = np.asarray(state["last_ids"], dtype=np.int64).reshape(-1)
-        coef = np.asarray(state["last_coef"], dtype=np.float64).reshape(-1)
-        rows = np.asarray(state["last_rows"])
-        if not (len(ids) == len(exp) == len(joins)) or len(last_ids) != len(coef) \
-                or rows.ndim != 2 or (len(last_ids) and rows.shape[0] != len(last_ids)):
+        if not (len(ids) == len(exp) == len(joins)):
             raise ValueError("fedmdfg state: arrays have inconsistent lengths")
+        # the round of the stored rows is not saved (nothing uses it): any round before the next
+        self._ring.load_state_dict(state, **_RING_KEYS, default_round=-1)
         self._expected = {int(k): float(x) for k, x in zip(ids, exp)}
         self._joins = {int(k): int(j) for k, j in zip(ids, joins)}
-        self._last_ids, self._last_coef = last_ids.copy(), coef.copy()
-        self._last_rows = torch.tensor(rows) if len(last_ids) else None
         self._last_round = int(np.asarray(state["last_round"]).item())
 
     def __repr__(self) -> str:
@@ -317,10 +305,8 @@ class FedMDFG(Aggregator):
 
     def _record(self, r: RoundUpdates, live: np.ndarray, a: np.ndarray) -> None:
         """Keep this round's live clients' updates as next round's absent-client rows."""
-        idx = torch.as_tensor(live, device=r.updates.device)
-        self._last_ids = r.client_ids[live].copy()
-        self._last_rows = r.updates[idx].clone()
-        self._last_coef = a[live].copy()
+        rows = r.updates[torch.as_tensor(live, device=r.updates.device)]   # a fresh copy
+        self._ring.push(r.round, r.client_ids[live], rows, horizon=r.round, coef=a[live])
 
     def _line_search(self, r: RoundUpdates, live: np.ndarray, l0: np.ndarray,
                      v: torch.Tensor, same_users: bool) -> float:
