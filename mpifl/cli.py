@@ -89,6 +89,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         _check_bench_out(args.out)
+    _load_plugins(args.plugins)
     algorithms = None if args.algorithms == "all" else args.algorithms.split(",")
     try:
         res = bench_aggregation(algorithms, args.m, args.d, tau=args.tau, repeats=args.repeats,
@@ -106,6 +107,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.out is not None:
             print(f"wrote {args.out}")
     return 0
+
+
+def _load_plugins(modules: str | None) -> None:
+    """``--plugins a,b``: import users' modules (from the working directory or sys.path) so their
+    rules are benchmarked with the built-in ones; entry-point plugins always load."""
+    from mpifl.core.plugins import PluginError, load_modules
+
+    try:
+        load_modules(modules.split(",") if modules else [], [str(Path.cwd())])
+    except PluginError as exc:
+        raise MpiflError(f"--plugins: {exc}") from None
 
 
 def _check_bench_out(path: str) -> None:
@@ -175,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     ba.add_argument("--out", help="also write the results to this HDF5 file (replaced)")
     ba.add_argument("--json", action="store_true", help="print one JSON object")
+    ba.add_argument("--plugins", metavar="MODULE[,MODULE]",
+                    help="import these plugin modules first, so their rules are benchmarked too")
     ba.set_defaults(func=cmd_bench)
 
     bs = bsub.add_parser("simulate", help="local training: vectorised trainer vs per-client "

@@ -36,7 +36,7 @@ def test_create_builds_the_named_rule():
 
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(ValueError, match="unknown aggregator 'fedsgd'.*fedavg.*fedfv"):
+    with pytest.raises(ValueError, match="unknown algorithm 'fedsgd'.*fedavg.*fedfv"):
         create("fedsgd")
 
 
@@ -54,7 +54,7 @@ def test_bad_seed(seed):
 
 
 def test_register_and_name_clash(monkeypatch):
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(base.RULES, "_entries", dict(base.RULES._entries))
 
     @register("half")
     class Half(Aggregator):
@@ -157,9 +157,9 @@ def test_fedprox_aggregates_as_fedavg_and_asks_for_the_proximal_term():
                      losses=torch.tensor([1.0, 1.0]), num_samples=np.array([1, 3]), lr=0.1)
     # sample weights 1/4 and 3/4: s = (0.25, 2.25)
     assert torch.allclose(create("fedprox", mu=0.3).aggregate(r), torch.tensor([0.25, 2.25]))
-    assert rule("fedprox").client_options(mu=0.3) == {"prox_mu": 0.3}
-    assert rule("fedavg").client_options(weighting="samples") == {}
-    with pytest.raises(ValueError, match="mu must be >= 0"):
+    assert rule("fedprox").client_options(rule("fedprox").Params(mu=0.3)) == {"prox_mu": 0.3}
+    assert rule("fedavg").client_options(rule("fedavg").Params(weighting="samples")) == {}
+    with pytest.raises(ValueError, match="fedprox: mu: input should be greater than or equal to 0"):
         create("fedprox", mu=-1.0)
 
 

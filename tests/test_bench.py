@@ -16,7 +16,7 @@ import torch
 
 from mpifl import aggregators
 from mpifl.aggregators import Aggregator
-from mpifl.aggregators.base import _REGISTRY
+from mpifl.aggregators.base import RULES
 from mpifl.bench.aggregation import (BASELINE, COLUMNS, H5_BASELINE_DATASETS, H5_DATASETS, bench_aggregation,
                          format_report, format_table, read_hdf5, write_hdf5)
 from mpifl.cli import main
@@ -89,7 +89,7 @@ class _NeedsSomethingElse(Aggregator):
 
 
 def test_unbuildable_rule_is_skipped(monkeypatch):
-    monkeypatch.setitem(_REGISTRY, "zz_needs", _NeedsSomethingElse)
+    monkeypatch.setitem(RULES._entries, "zz_needs", _NeedsSomethingElse)
     res = bench_aggregation(["fedavg", "zz_needs"], [2, 3], 20, repeats=1, warmup=0)
     assert {r["algorithm"] for r in res.rows} == {"fedavg"}
     assert res.skipped["zz_needs"].startswith("m=2 d=20: ValueError: needs stats['nope']")

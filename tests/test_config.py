@@ -51,7 +51,18 @@ BAD = [
     (["run.rounds=0"], "run.rounds: input should be greater than or equal to 1"),
     (["fedfv.alpha=1.5"], "fedfv.alpha: input should be less than 1"),
     (["client.lr=-0.1"], "client.lr: input should be greater than 0"),
-    (["data.partition=dirichlett"], "data.partition: input should be"),
+    (["data.partition=dirichlett"], "data.partition: unknown partition 'dirichlett' (did you mean 'dirichlet'?)"),
+    (["model.name=mlpp"], "model.name: unknown model 'mlpp' (did you mean 'mlp'?)"),
+    (["data.dataset=fashion-mnist"], "data.dataset: unknown data set 'fashion-mnist' (did you mean 'fashion_mnist'?)"),
+    (["server.algorithm=nomod:Rule"], "server.algorithm: 'nomod:Rule': cannot import module 'nomod'"),
+    (["plugins.modules=['no_such_plugin_mod']"], "plugins.modules: cannot import 'no_such_plugin_mod': ModuleNotFoundError"),
+    (["run.seed=18446744073709551616"], "run.seed: input should be less than or equal to"),
+    (["client.lr=inf"], "client.lr: input should be a finite number"),
+    (["client.lr=1e308"], "client.lr: input should be less than or equal to 1000"),
+    (["client.weight_decay=inf"], "client.weight_decay: input should be a finite number"),
+    (["fedfv.tau=100000000"], "fedfv.tau: input should be less than or equal to 10000"),
+    (["model.hidden=[10000000]"], "model.hidden.0: input should be less than or equal to"),
+    (["client.memory_budget_mb=1e300"], "client.memory_budget_mb: input should be less than or equal to"),
     (["model.hidden=[200, \"a\"]"], "model.hidden.1: input should be a valid integer"),
     (["server.algorithm=fedfw"], "server.algorithm: unknown algorithm 'fedfw' (did you mean 'fedfv'?)"),
     (["server.clients_per_round=101"], "server.clients_per_round: 101 exceeds data.num_clients (100)"),
@@ -117,10 +128,10 @@ def test_algorithm_without_its_client_side_training_is_refused_up_front(tmp_path
         name = "needs_missing_training"
 
         @classmethod
-        def client_options(cls, **params):
+        def client_options(cls, p):
             return {"no_such_trainer_option": 1.0}
 
-    monkeypatch.setitem(base._REGISTRY, NeedsMissingTraining.name, NeedsMissingTraining)
+    monkeypatch.setitem(base.RULES._entries, NeedsMissingTraining.name, NeedsMissingTraining)
     out = tmp_path / "r.h5"
     assert main(["run", str(MAIN_JOB), "--set", "server.algorithm=needs_missing_training",
                  "--out", str(out)]) == 2

@@ -156,7 +156,7 @@ def test_hand_checkable_two_clients_in_2d():
     agg = create("ditto", lam=0.5, num_clients=3)
     assert rule("ditto").personal_models and rule("ditto").needs_num_clients
     assert rule("ditto").trainer_kind == "ditto"
-    assert rule("ditto").client_options(lam=0.5) == {"lam": 0.5}
+    assert rule("ditto").client_options(rule("ditto").Params(lam=0.5)) == {"lam": 0.5}
     w = torch.tensor([1.0, 2.0])
     # before any round: every client's personal model is w
     assert torch.equal(agg.personal_params(w), torch.tensor([[1.0, 2.0]] * 3))

@@ -159,8 +159,9 @@ def test_config_tables():
     assert uses_meta_step(cfg)
     # (the server routes client_options to UGATrainer; config's check of them against the
     # trainer's signature is the lead's wiring, so the table is validated under another rule)
-    params = load_config(None, ["uga.max_traced_clients=4"]).uga.model_dump()
-    assert rule("uga").client_options(**params) == {"max_traced_clients": 4}
+    table = load_config(None, ["uga.max_traced_clients=4"]).uga
+    params = table.model_dump()
+    assert rule("uga").client_options(table) == {"max_traced_clients": 4}
     assert create("uga", **params).max_traced_clients == 4
     cfg = load_config(None, ["server.algorithm=fedmeta", "fedmeta.meta_size=7"])
     assert uses_meta_step(cfg) and create("fedmeta", **cfg.algorithm_params()).meta_size == 7

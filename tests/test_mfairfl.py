@@ -527,8 +527,8 @@ def test_bad_hyper_parameters(kw):
 
 def test_registered_with_client_options():
     assert "mfairfl" in available() and rule("mfairfl") is MFairFL
-    assert rule("mfairfl").client_options(notion="ap", eps=0.1, eta_lambda=0.1, alpha=0.5,
-                                          beta=0.1) == {"fair_notion": "ap", "fair_eps": 0.1}
+    p = MFairFL.Params(notion="ap", eps=0.1, eta_lambda=0.1, alpha=0.5, beta=0.1)
+    assert rule("mfairfl").client_options(p) == {"fair_notion": "ap", "fair_eps": 0.1}
     assert not MFairFL.needs_num_clients
 
 

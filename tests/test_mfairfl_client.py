@@ -284,7 +284,7 @@ def test_columns_options_and_bad_input():
     # the rule asks for this trainer, with these options, and broadcasts its multipliers
     r = aggregators.rule("mfairfl")
     assert TRAINERS[r.trainer_kind] is LagrangianTrainer
-    assert r.client_options(notion="ap", eps=0.1) == {"fair_notion": "ap", "fair_eps": 0.1}
+    assert r.client_options(r.Params(notion="ap", eps=0.1)) == {"fair_notion": "ap", "fair_eps": 0.1}
     agg = aggregators.create("mfairfl", notion="eo", num_groups=2)
     assert np.array_equal(agg.round_inputs(), np.zeros(4)) and agg.round_inputs().dtype == np.float64
     with pytest.raises(ValueError, match="sensitive attribute"):

@@ -302,8 +302,8 @@ def test_aggregator_two_clients_two_dims():
 
 
 def test_aggregator_options_and_errors():
-    assert rule("uga").client_options(eta_g=1.0, max_traced_clients=None) == {}
-    assert rule("uga").client_options(eta_g=1.0, max_traced_clients=3) == {"max_traced_clients": 3}
+    assert rule("uga").client_options(rule("uga").Params(eta_g=1.0, max_traced_clients=None)) == {}
+    assert rule("uga").client_options(rule("uga").Params(eta_g=1.0, max_traced_clients=3)) == {"max_traced_clients": 3}
     agg = create("uga", eta_g=1.0, max_traced_clients=3)
     assert agg.state_dict() == {}
     agg.load_state_dict({})

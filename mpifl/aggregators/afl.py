@@ -35,13 +35,16 @@ get a zero gradient entry). With every client present this is exactly the formul
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
-from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_nonnegative, check_num_clients,
+from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_num_clients,
                                     check_round_order, register, state_scalar)
 from mpifl.aggregators.qfedavg import check_losses
+from mpifl.core.params import Params
 
 
 def project_simplex(v) -> np.ndarray:
@@ -86,10 +89,15 @@ class AFL(Aggregator):
 
     needs_num_clients = True
 
-    def __init__(self, *, eta_lambda: float = 0.01, num_clients: int | None = None,
-                 seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.eta_lambda = check_nonnegative("afl", "eta_lambda", eta_lambda)
+    needs_all_clients = True
+
+    class Params(Params):
+        #: step size of the mixture weights lambda; ``eta_lambda = 0`` keeps them uniform.
+        eta_lambda: float = Field(0.01, ge=0.0)
+
+    def __init__(self, *, num_clients: int | None = None, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.eta_lambda = self.params.eta_lambda
         self.num_clients = check_num_clients("afl", num_clients)
         self._lam: np.ndarray | None = None
         self._last_round = -1

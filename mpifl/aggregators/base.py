@@ -17,8 +17,13 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
-__all__ = ["Aggregator", "RoundUpdates", "available", "create", "register", "check_seed"]
+from mpifl.core.params import Params, params_error
+from mpifl.core.registry import Registry
+
+__all__ = ["RULES", "Aggregator", "NoParams", "RoundUpdates", "available", "create", "register",
+           "rule", "check_seed"]
 
 
 def _as_tensor(x: Any, device: torch.device | None = None) -> torch.Tensor:
@@ -196,14 +201,27 @@ def check_round_order(rule: str, rnd: int, last: int) -> None:
         raise ValueError(f"{rule}: round {rnd} is not after the last aggregated round {last}")
 
 
+class NoParams(Params):
+    """A rule without hyper-parameters."""
+
+
 class Aggregator:
     """Base class of an aggregation rule: one subclass per algorithm file, registered by name.
 
-    Subclasses take keyword-only hyper-parameters plus ``seed: int = 0``; any randomness is drawn
-    from RNGs keyed by ``(seed, round)`` so that no RNG state needs saving.
+    A rule declares its hyper-parameters once, as a nested ``Params`` class (a frozen pydantic
+    model, :class:`mpifl.core.params.Params`): the config's ``[name]`` table, the constructor's
+    keyword arguments, their defaults and range checks all come from it. The constructor takes
+    those keywords plus ``seed: int = 0`` (and, for rules that ask, ``num_clients`` /
+    ``num_groups`` from the server); any randomness is drawn from RNGs keyed by
+    ``(seed, round)`` so that no RNG state needs saving.
+
+    Raises (constructor):
+        TypeError: a keyword that is not one of the rule's hyper-parameters.
+        ValueError: a hyper-parameter out of range (one line naming the rule and the key).
     """
 
     name: ClassVar[str] = ""
+    Params: ClassVar[type[Params]] = NoParams
     #: True for rules that keep per-client state over all K clients (e.g. AFL's lambda): the
     #: server then passes ``num_clients=K`` to the constructor.
     needs_num_clients: ClassVar[bool] = False
@@ -214,16 +232,37 @@ class Aggregator:
     #: True for rules whose state is per sensitive group (mFairFL's multipliers): the server
     #: then passes ``num_groups=G`` of the data to the constructor.
     needs_num_groups: ClassVar[bool] = False
+    #: True for rules that need every client in every round (``server.sampling = "all"``, AFL).
+    needs_all_clients: ClassVar[bool] = False
     #: True for rules that keep a personal model per client (:meth:`personal_params`).
     personal_models: ClassVar[bool] = False
 
-    def __init__(self, *, seed: int = 0) -> None:
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
         self.seed = check_seed(seed)
+        self.params = self.validate_params(params)
 
     @classmethod
-    def client_options(cls, **params: Any) -> dict[str, Any]:
-        """Local-training options this rule needs from its hyper-parameters (keyword arguments
-        of :class:`mpifl.clients.VmapTrainer`, e.g. FedProx's ``prox_mu``); default none."""
+    def validate_params(cls, params: Mapping[str, Any] | Params) -> Params:
+        """``params`` as this rule's validated :attr:`Params` (an instance passes through).
+
+        Raises:
+            TypeError: an unknown key.  ValueError: a value of the wrong type or out of range.
+        """
+        if isinstance(params, cls.Params):
+            return params
+        try:
+            return cls.Params.model_validate(dict(params))
+        except ValidationError as exc:
+            msg = params_error(cls.name or cls.__name__, exc)
+            if exc.errors()[0]["type"] == "extra_forbidden":
+                raise TypeError(msg) from None
+            raise ValueError(msg) from None
+
+    @classmethod
+    def client_options(cls, p: Params) -> dict[str, Any]:
+        """Local-training options this rule needs from its validated hyper-parameters ``p``
+        (keyword arguments of :class:`mpifl.clients.VmapTrainer`, e.g. FedProx's
+        ``prox_mu = p.mu``); default none."""
         return {}
 
     def round_inputs(self) -> np.ndarray | None:
@@ -279,52 +318,62 @@ class Aggregator:
         return f"{type(self).__name__}(name={self.name!r}, seed={self.seed})"
 
 
-_REGISTRY: dict[str, type[Aggregator]] = {}
+def _check_rule(name: str, cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
+        raise TypeError(f"rule {name!r} must be an Aggregator subclass, got {cls!r}")
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, Params)):
+        raise TypeError(f"rule {name!r}: its Params must subclass mpifl.core.params.Params")
+
+
+#: The aggregation rules by name (built-ins and plugins; ``"pkg.module:Class"`` also resolves).
+RULES: Registry[type[Aggregator]] = Registry("algorithm", _check_rule)
 A = TypeVar("A", bound=type[Aggregator])
 
 
 def register(name: str) -> Callable[[A], A]:
-    """Class decorator: make an :class:`Aggregator` subclass available as ``create(name)``.
+    """Class decorator: make an :class:`Aggregator` subclass available as ``create(name)`` and
+    as ``server.algorithm = "name"`` with a ``[name]`` config table from its ``Params``.
 
     Raises:
-        ValueError: ``name`` is empty or already taken by another class.
+        ValueError: ``name`` is empty, contains ':', or is already taken by another class.
+        TypeError: not an Aggregator subclass, or its Params is not a ``core.params.Params``.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"aggregator name must be a non-empty string, got {name!r}")
+    deco = RULES.register(name)
 
-    def deco(cls: A) -> A:
-        old = _REGISTRY.get(name)
-        # a re-imported module brings a new class object with the same qualified name
-        same = old is not None and (old.__module__, old.__qualname__) == (cls.__module__,
-                                                                           cls.__qualname__)
-        if old is not None and not same:
-            raise ValueError(f"aggregator name {name!r} is already registered by "
-                             f"{old.__qualname__}")
+    def named(cls: A) -> A:
+        deco(cls)
         cls.name = name
-        _REGISTRY[name] = cls
         return cls
 
-    return deco
+    return named
 
 
 def create(name: str, **params: Any) -> Aggregator:
-    """A new aggregator of the registered rule ``name`` with hyper-parameters ``params``.
+    """A new aggregator of the rule ``name`` (or ``"pkg.module:Class"``) with ``params``.
 
     Raises:
         ValueError: unknown ``name`` (the message lists the known ones), or a bad value.
         TypeError: a parameter the rule does not take.
     """
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown aggregator {name!r}; known: {', '.join(available())}")
+    try:
+        cls = rule(name)
+    except LookupError as exc:
+        raise ValueError(str(exc)) from None
     return cls(**params)
 
 
 def rule(name: str) -> type[Aggregator]:
-    """The registered class of ``name`` (KeyError if unknown)."""
-    return _REGISTRY[name]
+    """The class of rule ``name`` or import path ``"pkg.module:Class"``.
+
+    Raises:
+        LookupError (:class:`mpifl.core.registry.UnknownName`): unknown, with a suggestion.
+    """
+    cls = RULES.get(name)
+    if not cls.name:  # known by its import path only
+        cls.name = name
+    return cls
 
 
 def available() -> list[str]:
     """The registered rule names, sorted."""
-    return sorted(_REGISTRY)
+    return RULES.available()

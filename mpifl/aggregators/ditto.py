@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
-from mpifl.aggregators.base import (RoundUpdates, check_nonnegative, check_num_clients,
+from mpifl.aggregators.base import (RoundUpdates, check_num_clients,
                                     check_round_order, register)
 from mpifl.aggregators.fedavg import FedAvg
 
@@ -57,17 +58,20 @@ class Ditto(FedAvg):
     trainer_kind: ClassVar[str] = "ditto"
     personal_models: ClassVar[bool] = True
 
-    def __init__(self, *, lam: float = 0.1, num_clients: int | None = None,
-                 weighting: str = "samples", seed: int = 0) -> None:
-        super().__init__(weighting=weighting, seed=seed)
-        self.lam = check_nonnegative("ditto", "lam", lam)
+    class Params(FedAvg.Params):
+        #: pull of each personal model towards the global one; 0: purely local models.
+        lam: float = Field(0.1, ge=0.0)
+
+    def __init__(self, *, num_clients: int | None = None, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.lam = self.params.lam
         self.num_clients = check_num_clients("ditto", num_clients)
         self.V: torch.Tensor | None = None
         self._last_round = -1
 
     @classmethod
-    def client_options(cls, **params: Any) -> dict[str, Any]:
-        return {"lam": float(params.get("lam", 0.1))}
+    def client_options(cls, p: Params) -> dict[str, Any]:
+        return {"lam": p.lam}
 
     # ---- personal models ----------------------------------------------------------------------
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from typing import Any, Literal
+
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.core.params import Params
 
 WEIGHTINGS = ("samples", "uniform")
 
@@ -25,11 +28,13 @@ class FedAvg(Aggregator):
             samples at all under ``"samples"``.
     """
 
-    def __init__(self, *, weighting: str = "samples", seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"fedavg: weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-        self.weighting = weighting
+    class Params(Params):
+        #: ``"samples"``: p_k = n_k / sum n_j (the paper); ``"uniform"``: p_k = 1/m.
+        weighting: Literal["samples", "uniform"] = "samples"
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.weighting = self.params.weighting
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:

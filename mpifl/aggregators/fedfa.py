@@ -36,7 +36,7 @@ rate; the older easyFL ``algorithm/fedfa.py`` even builds a tuple there), with o
 (FLGo defaults: beta 0.5, gamma 0.9) shared by the server and the clients' SGD momentum. This
 rule follows the paper's form as SPEC §7 writes it (``v <- gamma_s v + (w_agg - w^t)``,
 ``w^{t+1} = w^t + v``) with separate ``gamma_s`` and ``gamma_c``; the defaults here (beta,
-gamma_s, gamma_c = 0.5, 0.5, 0.5, as :class:`mpifl.experiment.config.FedFaConfig`) differ from FLGo's
+gamma_s, gamma_c = 0.5, 0.5, 0.5, :class:`FedFa.Params`) differ from FLGo's
 ``gamma = 0.9``. The FedLF authors' FedFa baseline (github.com/zibinpan/FedLF,
 ``gfedplat/algorithm/FedFa/FedFa.py``: beta 0.5, gamma 0.9) has exactly this server update
 (``ms <- gamma ms + dw``, ``w <- w + ms``) and also counts the current round, but measures ACC
@@ -51,15 +51,16 @@ A case neither the paper nor the reference covers: if every client of the round 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_num_clients, check_round_order,
                                     register, state_scalar)
+from mpifl.core.params import Params
 
 
 def fedfa_weights(acc: np.ndarray, freq: np.ndarray, beta: float) -> np.ndarray:
@@ -75,15 +76,6 @@ def fedfa_weights(acc: np.ndarray, freq: np.ndarray, beta: float) -> np.ndarray:
     # for m >= 2 both sums are > 0 (convexity of -log2 with shares summing to 1); for m = 1
     # each is a single nonzero number, so both normalised vectors are exactly [1]
     return (1.0 - beta) * (a / a.sum()) + beta * (fq / fq.sum())
-
-
-def _number(x: Any, name: str, lo: float, hi: float, hi_open: bool) -> float:
-    ok = (not isinstance(x, bool) and isinstance(x, (int, float, np.integer, np.floating))
-          and math.isfinite(x) and lo <= x and (x < hi if hi_open else x <= hi))
-    if not ok:
-        raise ValueError(f"fedfa: {name} must be a number in [{lo}, {hi}{')' if hi_open else ']'}"
-                         f", got {x!r}")
-    return float(x)
 
 
 @register("fedfa")
@@ -116,21 +108,27 @@ class FedFa(Aggregator):
 
     needs_num_clients = True
 
-    def __init__(self, *, beta: float = 0.5, gamma_s: float = 0.5, gamma_c: float = 0.5,
-                 num_clients: int | None = None, seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.beta = _number(beta, "beta", 0.0, 1.0, hi_open=False)
-        self.gamma_s = _number(gamma_s, "gamma_s", 0.0, 1.0, hi_open=True)
-        self.gamma_c = _number(gamma_c, "gamma_c", 0.0, 1.0, hi_open=True)
+    class Params(Params):
+        #: weight of participation frequency against training accuracy (alpha = 1 - beta).
+        beta: float = Field(0.5, ge=0.0, le=1.0)
+        #: server momentum; 0: no momentum (the step is the weighted mean).
+        gamma_s: float = Field(0.5, ge=0.0, lt=1.0)
+        #: the clients' local SGD momentum; 0: plain SGD.
+        gamma_c: float = Field(0.5, ge=0.0, lt=1.0)
+
+    def __init__(self, *, num_clients: int | None = None, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        p = self.params
+        self.beta, self.gamma_s, self.gamma_c = p.beta, p.gamma_s, p.gamma_c
         self.num_clients = check_num_clients("fedfa", num_clients)
         self._counts = np.zeros(num_clients or 0, dtype=np.int64)
         self._v: torch.Tensor | None = None
         self._last_round = -1
 
     @classmethod
-    def client_options(cls, **params: Any) -> dict[str, Any]:
+    def client_options(cls, p: Params) -> dict[str, Any]:
         """Local SGD momentum ``gamma_c`` and the pre-training accuracy statistic."""
-        return {"momentum": float(params.get("gamma_c", 0.5)), "report_accuracy": True}
+        return {"momentum": p.gamma_c, "report_accuracy": True}
 
     @property
     def counts(self) -> np.ndarray:

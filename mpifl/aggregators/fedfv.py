@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.gram import gram
 from mpifl.aggregators.history import HistoryRing
+from mpifl.core.params import Params
 
-ORDERS = ("loss", "random", "reverse")
-WINDOWS = ("paper", "flgo")
 
 
 def num_kept(m: int, alpha: float) -> int:
@@ -115,11 +116,21 @@ class FedFV(Aggregator):
             than the previous one, or a dimension that changed.
     """
 
-    def __init__(self, *, alpha: float = 0.1, tau: int = 1, order: str = "loss",
-                 external_window: str = "paper", seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.alpha, self.tau = check_params(alpha, tau, order, external_window)
-        self.order, self.external_window = order, external_window
+    class Params(Params):
+        #: share of the highest-loss clients whose conflicts are not projected; 0: all are.
+        alpha: float = Field(0.1, ge=0.0, lt=1.0)
+        #: rounds of absent clients' history projected against; 0: no history.
+        tau: int = Field(1, ge=0, le=10_000)
+        #: projection order: by loss (the paper), random, or reverse (FedFV Table 4).
+        order: Literal["loss", "random", "reverse"] = "loss"
+        #: history window of the paper, or the FLGo reference code's.
+        external_window: Literal["paper", "flgo"] = "paper"
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        p = self.params
+        self.alpha, self.tau, self.order, self.external_window = (
+            p.alpha, p.tau, p.order, p.external_window)
         self._ring = HistoryRing("fedfv")
         self._last_round = -1
 
@@ -242,23 +253,3 @@ def _rescale(g: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
     if float(gn) == 0.0:
         return torch.zeros_like(g)
     return g * (torch.linalg.vector_norm(U.mean(dim=0)) / gn)
-
-
-def check_params(alpha: float, tau: int, order: str, window: str) -> tuple[float, int]:
-    """Validated ``(alpha, tau)``; shared with the direct oracle.
-
-    Raises:
-        ValueError: alpha outside [0, 1), tau not an int >= 0, unknown order or window.
-    """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating, np.integer)):
-        raise ValueError(f"fedfv: alpha must be a number in [0, 1), got {alpha!r}")
-    alpha = float(alpha)
-    if not 0.0 <= alpha < 1.0:
-        raise ValueError(f"fedfv: alpha must be in [0, 1), got {alpha}")
-    if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 0:
-        raise ValueError(f"fedfv: tau must be an integer >= 0, got {tau!r}")
-    if order not in ORDERS:
-        raise ValueError(f"fedfv: order must be one of {ORDERS}, got {order!r}")
-    if window not in WINDOWS:
-        raise ValueError(f"fedfv: external_window must be one of {WINDOWS}, got {window!r}")
-    return alpha, int(tau)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import RoundUpdates, check_seed
-from mpifl.aggregators.fedfv import check_params
+from mpifl.aggregators.fedfv import FedFV
 
 
 class DirectFedFV:
@@ -34,7 +34,9 @@ class DirectFedFV:
 
     def __init__(self, *, alpha: float = 0.1, tau: int = 1, order: str = "loss",
                  external_window: str = "paper", seed: int = 0) -> None:
-        self.alpha, self.tau = check_params(alpha, tau, order, external_window)
+        p = FedFV.validate_params(dict(alpha=alpha, tau=tau, order=order,
+                                       external_window=external_window))
+        self.alpha, self.tau = p.alpha, p.tau
         self.order, self.external_window = order, external_window
         self.seed = check_seed(seed)
         self.H: dict[int, tuple[torch.Tensor, int]] = {}

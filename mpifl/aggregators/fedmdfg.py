@@ -85,14 +85,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
 from mpifl.aggregators.gram import gram
 from mpifl.aggregators.history import HistoryRing
 from mpifl.aggregators.qp import solve_simplex_qp
+from mpifl.core.params import Params
 
 LIVE_TOL = 1e-6          # a client is live when ||g_k|| > LIVE_TOL (absolute, reference code)
 ZERO_TOL = 1e-8          # d0 is zero when ||d0|| <= ZERO_TOL * mu
@@ -163,17 +166,15 @@ class FedMDFG(Aggregator):
             the wrong shape.
     """
 
-    def __init__(self, *, theta: float = 11.25, s: int = 5, seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        if isinstance(theta, bool) or not isinstance(theta, (int, float, np.integer,
-                                                             np.floating)) \
-                or not math.isfinite(theta) or not 0 < theta < 90:
-            raise ValueError(f"fedmdfg: theta must be an angle in degrees in (0, 90), "
-                             f"got {theta!r}")
-        self.theta = float(theta)
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
-            raise ValueError(f"fedmdfg: s must be an integer >= 0, got {s!r}")
-        self.s = int(s)
+    class Params(Params):
+        #: angle in degrees between the loss vector and 1 above which the fair guidance joins.
+        theta: float = Field(11.25, gt=0.0, lt=90.0)
+        #: the line search tries step scales 2^s .. 0.5^s; 0: no line search.
+        s: int = Field(5, ge=0, le=20)
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.theta, self.s = self.params.theta, self.params.s
         self._expected: dict[int, float] = {}     # client -> expected loss
         self._joins: dict[int, int] = {}          # client -> participations
         # one round: the last live clients' raw updates; history row = coef * update

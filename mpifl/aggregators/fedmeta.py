@@ -17,7 +17,9 @@ is checkpointed; this aggregator is stateless like FedAvg.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from mpifl.aggregators.base import register
 from mpifl.aggregators.fedavg import FedAvg
@@ -60,11 +62,18 @@ class FedMeta(FedAvg):
     #: the server applies MetaStep after this rule's aggregation
     meta_step: ClassVar[bool] = True
 
-    def __init__(self, *, eta_meta: float = 0.1, meta_size: int = 100,
-                 meta_sampling: str = "iid", weighting: str = "samples", seed: int = 0) -> None:
-        super().__init__(weighting=weighting, seed=seed)
-        self.eta_meta, self.meta_size, self.meta_sampling = check_meta_params(
-            eta_meta, meta_size, meta_sampling)
+    class Params(FedAvg.Params):
+        #: step size of the meta step (> 0).
+        eta_meta: float = Field(0.1, gt=0.0)
+        #: samples in the server-held meta set.
+        meta_size: int = Field(100, ge=1, le=2**31 - 1)
+        #: ``"iid"`` from the training pool, or ``"group_balanced"`` (equal per sensitive group).
+        meta_sampling: Literal["iid", "group_balanced"] = "iid"
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        p = self.params
+        self.eta_meta, self.meta_size, self.meta_sampling = p.eta_meta, p.meta_size, p.meta_sampling
 
     def __repr__(self) -> str:
         return (f"FedMeta(eta_meta={self.eta_meta}, meta_size={self.meta_size}, "

@@ -19,14 +19,16 @@ Gram form: ``G = U U^T`` (one GEMM) gives ``||u_k|| = sqrt(G_kk)``, so with ``D 
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
 from mpifl.aggregators.gram import gram
 from mpifl.aggregators.qp import solve_simplex_qp
+from mpifl.core.params import Params
 
 NORM_EPS = 1e-8
 
@@ -52,10 +54,16 @@ class FedMGDAPlus(Aggregator):
             samples.
     """
 
-    def __init__(self, *, eps: float = 0.1, eta: float = 1.0, seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.eps = _number(eps, "eps", lambda v: v >= 0, ">= 0")
-        self.eta = _number(eta, "eta", lambda v: v > 0, "> 0")
+    class Params(Params):
+        #: how far each weight may move from n_k / sum n; 0: fixed sample weights on the
+        #: normalised updates, 1: the whole simplex (MGDA).
+        eps: float = Field(0.1, ge=0.0, le=1.0)
+        #: server step size.
+        eta: float = Field(1.0, gt=0.0)
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.eps, self.eta = self.params.eps, self.params.eta
         self.last_lambda: np.ndarray | None = None
         self.last_status: str | None = None
 
@@ -88,10 +96,3 @@ class FedMGDAPlus(Aggregator):
 
     def __repr__(self) -> str:
         return f"FedMGDAPlus(eps={self.eps}, eta={self.eta}, seed={self.seed})"
-
-
-def _number(x, name: str, ok, text: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(x) or not ok(x):
-        raise ValueError(f"fedmgda_plus: {name} must be a finite number {text}, got {x!r}")
-    return float(x)

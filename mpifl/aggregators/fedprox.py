@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from mpifl.aggregators.base import register
 from mpifl.aggregators.fedavg import FedAvg
 
@@ -27,12 +29,14 @@ class FedProx(FedAvg):
         ValueError: ``mu < 0`` or an unknown weighting.
     """
 
-    def __init__(self, *, mu: float = 0.01, weighting: str = "samples", seed: int = 0) -> None:
-        super().__init__(weighting=weighting, seed=seed)
-        if not mu >= 0:
-            raise ValueError(f"fedprox: mu must be >= 0, got {mu}")
-        self.mu = float(mu)
+    class Params(FedAvg.Params):
+        #: proximal coefficient; ``mu = 0`` is FedAvg.
+        mu: float = Field(0.01, ge=0.0)
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.mu = self.params.mu
 
     @classmethod
-    def client_options(cls, **params: Any) -> dict[str, Any]:
-        return {"prox_mu": float(params.get("mu", 0.01))}
+    def client_options(cls, p: Params) -> dict[str, Any]:
+        return {"prox_mu": p.mu}

@@ -53,16 +53,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mpifl.metrics import fairness
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.fedfv import projection_order
 from mpifl.aggregators.gram import gram
+from mpifl.core.params import Params
 
 NOTIONS = ("dp", "eo", "ap")
 #: the goal the GradVac rule aims at is at most this (a goal of 1 needs an infinite step)
@@ -181,12 +183,25 @@ class MFairFL(Aggregator):
     #: Lagrangian local training (:class:`mpifl.clients.LagrangianTrainer`)
     trainer_kind = "mfairfl"
 
-    def __init__(self, *, notion: str = "dp", eps: float = 0.05, eta_lambda: float = 0.1,
-                 alpha: float = 0.9, beta: float = 0.01, num_constraints: int | None = None,
-                 num_groups: int | None = None, seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.notion, self.eps, self.eta_lambda, self.alpha, self.beta = check_params(
-            notion, eps, eta_lambda, alpha, beta)
+    class Params(Params):
+        #: the group-fairness notion constrained: demographic parity, equalized odds or
+        #: accuracy parity.
+        notion: Literal["dp", "eo", "ap"] = "dp"
+        #: tolerance of each constraint; 0: exact parity asked.
+        eps: float = Field(0.05, ge=0.0)
+        #: step size of the multipliers; 0: they stay at 0 (no fairness pressure).
+        eta_lambda: float = Field(0.1, ge=0.0)
+        #: gradient projecting rate, the share of low-loss clients curated; 0: no curation.
+        alpha: float = Field(0.9, ge=0.0, le=1.0)
+        #: EMA rate of the pairwise similarity goals.
+        beta: float = Field(0.01, gt=0.0, le=1.0)
+
+    def __init__(self, *, num_constraints: int | None = None, num_groups: int | None = None,
+                 seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        p = self.params
+        self.notion, self.eps, self.eta_lambda, self.alpha, self.beta = (
+            p.notion, p.eps, p.eta_lambda, p.alpha, p.beta)
         if num_groups is not None:
             num_groups = _index(num_groups, "mfairfl: num_groups")
             if num_groups < 1:
@@ -209,10 +224,9 @@ class MFairFL(Aggregator):
         self._last_round = -1
 
     @classmethod
-    def client_options(cls, **params: Any) -> dict[str, Any]:
+    def client_options(cls, p: Params) -> dict[str, Any]:
         """The client side's Lagrangian needs the notion and the tolerance."""
-        return {"fair_notion": params.get("notion", "dp"),
-                "fair_eps": float(params.get("eps", 0.05))}
+        return {"fair_notion": p.notion, "fair_eps": p.eps}
 
     def round_inputs(self) -> np.ndarray:
         """The multipliers λ (A,) float64 broadcast with every TRAIN request (:attr:`multipliers`)."""
@@ -395,33 +409,3 @@ def _rescale(g: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
     if float(gn) == 0.0:
         return torch.zeros_like(g)
     return g * (torch.linalg.vector_norm(U.mean(dim=0)) / gn)
-
-
-def _number(x: Any, what: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(x):
-        raise ValueError(f"mfairfl: {what} must be a finite number, got {x!r}")
-    return float(x)
-
-
-def check_params(notion: str, eps: float, eta_lambda: float, alpha: float,
-                 beta: float) -> tuple[str, float, float, float, float]:
-    """Validated hyper-parameters ``(notion, eps, eta_lambda, alpha, beta)``.
-
-    Raises:
-        ValueError: unknown notion, eps or eta_lambda < 0, alpha outside [0, 1], beta outside
-            (0, 1], or a non-number.
-    """
-    if notion not in NOTIONS:
-        raise ValueError(f"mfairfl: notion must be one of {NOTIONS}, got {notion!r}")
-    eps, eta_lambda = _number(eps, "eps"), _number(eta_lambda, "eta_lambda")
-    alpha, beta = _number(alpha, "alpha"), _number(beta, "beta")
-    if eps < 0:
-        raise ValueError(f"mfairfl: eps must be >= 0, got {eps}")
-    if eta_lambda < 0:
-        raise ValueError(f"mfairfl: eta_lambda must be >= 0, got {eta_lambda}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"mfairfl: alpha must be in [0, 1], got {alpha}")
-    if not 0.0 < beta <= 1.0:
-        raise ValueError(f"mfairfl: beta must be in (0, 1], got {beta}")
-    return notion, eps, eta_lambda, alpha, beta

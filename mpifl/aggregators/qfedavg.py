@@ -18,7 +18,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mpifl.aggregators.base import Aggregator, RoundUpdates, check_nonnegative, register
+from typing import Any
+
+from pydantic import Field
+
+from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.core.params import Params
 
 LOSS_EPS = 1e-10
 
@@ -38,9 +43,13 @@ class QFedAvg(Aggregator):
         ValueError: q not a finite number >= 0; in ``aggregate``, a negative or non-finite loss.
     """
 
-    def __init__(self, *, q: float = 1.0, seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.q = check_nonnegative("qfedavg", "q", q)
+    class Params(Params):
+        #: fairness exponent; ``q = 0`` is FedAvg with uniform weights.
+        q: float = Field(1.0, ge=0.0)
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.q = self.params.q
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:

@@ -16,13 +16,14 @@ norms.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.core.params import Params
 
 
 @register("uga")
@@ -43,21 +44,21 @@ class UGA(Aggregator):
     #: which local computation the server must run for this rule (VmapTrainer's is "sgd")
     trainer_kind: ClassVar[str] = "uga"
 
-    def __init__(self, *, eta_g: float = 1.0, max_traced_clients: int | None = None,
-                 seed: int = 0) -> None:
-        super().__init__(seed=seed)
-        self.eta_g = float(eta_g)
-        if not (math.isfinite(self.eta_g) and self.eta_g > 0):
-            raise ValueError(f"uga: eta_g must be finite and > 0, got {eta_g}")
-        if max_traced_clients is not None and int(max_traced_clients) < 1:
-            raise ValueError(f"uga: max_traced_clients must be >= 1, got {max_traced_clients}")
-        self.max_traced_clients = max_traced_clients
+    class Params(Params):
+        #: server step size (> 0).
+        eta_g: float = Field(1.0, gt=0.0)
+        #: cap on the clients traced at once; None: the memory budget alone decides.
+        max_traced_clients: int | None = Field(None, ge=1, le=2**31 - 1)
+
+    def __init__(self, *, seed: int = 0, **params: Any) -> None:
+        super().__init__(seed=seed, **params)
+        self.eta_g = self.params.eta_g
+        self.max_traced_clients = self.params.max_traced_clients
 
     @classmethod
-    def client_options(cls, **params: Any) -> dict[str, Any]:
+    def client_options(cls, p: Params) -> dict[str, Any]:
         """``{"max_traced_clients": n}`` for UGATrainer when the table sets it, else ``{}``."""
-        cap = params.get("max_traced_clients")
-        return {} if cap is None else {"max_traced_clients": int(cap)}
+        return {} if p.max_traced_clients is None else {"max_traced_clients": p.max_traced_clients}
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad
 
-from mpifl.aggregators.fedmeta import SAMPLINGS, check_meta_params
+from mpifl.aggregators.fedmeta import check_meta_params
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
 

@@ -18,11 +18,14 @@ __all__ = ["Registry", "UnknownName", "closest", "import_object"]
 T = TypeVar("T")
 
 
-class UnknownName(LookupError):
+class UnknownName(KeyError):
     """A name that is neither registered nor an importable ``"pkg.module:obj"`` path.
 
     ``str(exc)`` is one line naming the kind, the name, the closest known name and the known ones.
     """
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 def import_object(path: str) -> object:

@@ -18,6 +18,7 @@ import numpy as np
 from mpifl.data import partition as P
 from mpifl.data.cifar import load_cifar10_pool, load_cifar100_pool
 from mpifl.data.idx import load_idx_pool
+from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, DataPool, call_partition
 from mpifl.data.roots import find_dataset_dir
 from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
@@ -25,9 +26,14 @@ from mpifl.data.synthetic import generate_synthetic
 from mpifl.data.tabular import TABULAR, load_tabular, standardise_numeric
 from mpifl.core.errors import DataError
 
+#: The built-in data sets (plugins add theirs to :data:`mpifl.data.registry.DATASET_LOADERS`).
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", *TABULAR)
+#: The built-in partitions; the label partitions among them are also in
+#: :data:`mpifl.data.registry.PARTITIONERS`, beside plugins.
 PARTITIONS = ("iid", "shards", "pathological", "dirichlet", "one_class_per_client", "natural",
               "group_skew")
+#: Built-in partitions that are not label partitions of a pool.
+SPECIAL_PARTITIONS = ("one_class_per_client", "natural", "group_skew")
 
 # Large constants keep these RNG streams apart from the [seed, round, client] streams of training.
 PARTITION_TAG = 0x6D706601
@@ -199,9 +205,17 @@ def split_clients(parts: Sequence[np.ndarray], seed: int, fractions: Sequence[fl
 def _check_args(dataset: str, partition: str, num_clients: int, seed: int,
                 train_fraction: float) -> None:
     if dataset not in DATASETS:
-        raise DataError(f"unknown dataset '{dataset}' (known: {', '.join(DATASETS)})")
-    if partition not in PARTITIONS:
-        raise DataError(f"unknown partition '{partition}' (known: {', '.join(PARTITIONS)})")
+        try:
+            DATASET_LOADERS.get(dataset)
+        except LookupError:
+            raise DataError(f"unknown dataset '{dataset}' (known: "
+                            f"{', '.join(known_datasets())})") from None
+    if partition not in SPECIAL_PARTITIONS:
+        try:
+            PARTITIONERS.get(partition)
+        except LookupError:
+            raise DataError(f"unknown partition '{partition}' (known: "
+                            f"{', '.join(known_partitions())})") from None
     if (dataset == "synthetic") != (partition == "natural"):
         raise DataError(f"partition 'natural' goes with dataset 'synthetic' and only with it "
                         f"(got dataset '{dataset}', partition '{partition}')")
@@ -262,6 +276,8 @@ def load_federated(
     heterogeneity: str = "high",
     group_proportions: Sequence[Sequence[float]] | None = None,
     sensitive_feature: bool = True,
+    dataset_params: dict | None = None,
+    partition_params: dict | None = None,
 ) -> FederatedData:
     """Load a dataset, partition its pooled train+test samples over K clients, split each
     client's samples into local train/test.
@@ -287,6 +303,8 @@ def load_federated(
             the preset when given.
         sensitive_feature: tabular sets only: keep the sensitive attribute's one-hot columns
             among the model inputs (it is always in ``FederatedData.sensitive``).
+        dataset_params: keyword arguments of a plugin data set's loader.
+        partition_params: keyword arguments of a plugin partition.
 
     Normalisation: (Fashion-)MNIST pixels / 255; CIFAR / 255 then per-channel standardisation
     with the pool's mean and std; ``one_class_per_client`` per-pixel ``(x - mean) / (std +
@@ -300,11 +318,16 @@ def load_federated(
             with fewer than 2 samples), a missing or damaged dataset.
     """
     _check_args(dataset, partition, num_clients, seed, train_fraction)
+    label_split = dict(classes_per_client=classes_per_client, dirichlet_alpha=dirichlet_alpha,
+                       params=partition_params)
+    if dataset not in DATASETS:
+        return _load_plugin(dataset, partition, num_clients, seed, train_fraction, data_root,
+                            dataset_params or {}, label_split)
     if dataset in TABULAR:
         return _load_tabular(dataset, partition, num_clients, seed, train_fraction, data_root,
                              classes_per_client, dirichlet_alpha,
                              _group_proportions(heterogeneity, group_proportions),
-                             sensitive_feature)
+                             sensitive_feature, partition_params)
     fractions: tuple[float, ...] = (train_fraction,)
     if dataset == "synthetic":
         x, y, sizes = generate_synthetic(num_clients, seed, synthetic_alpha, synthetic_beta)
@@ -322,8 +345,7 @@ def load_federated(
             del raw
             if dataset.startswith("cifar"):
                 _standardise_channels(x)
-            parts = _partition(partition, y, num_clients, seed, num_classes,
-                               classes_per_client, dirichlet_alpha)
+            parts = _partition(partition, y, num_clients, seed, num_classes, **label_split)
     _check_sizes(parts, partition)
     train_ptr, train_idx, test_ptr, test_idx = split_clients(parts, seed, fractions)
     return FederatedData(dataset, x, y, num_classes, input_shape,
@@ -342,7 +364,7 @@ def _group_proportions(heterogeneity: str, explicit) -> Sequence[Sequence[float]
 def _load_tabular(dataset: str, partition: str, num_clients: int, seed: int,
                   train_fraction: float, data_root: str | None, classes_per_client: int,
                   dirichlet_alpha: float, proportions: Sequence[Sequence[float]],
-                  sensitive_feature: bool) -> FederatedData:
+                  sensitive_feature: bool, partition_params: dict | None) -> FederatedData:
     """A tabular set: read, partition (labels, or sensitive groups for group_skew), split,
     then standardise the numerical columns with the training pool's statistics."""
     pool = load_tabular(dataset, data_root, sensitive_feature=sensitive_feature)
@@ -350,8 +372,9 @@ def _load_tabular(dataset: str, partition: str, num_clients: int, seed: int,
         rng = np.random.default_rng([seed, PARTITION_TAG])
         parts = P.group_skew(pool.sensitive, num_clients, rng, proportions)
     else:
-        parts = _partition(partition, pool.y, num_clients, seed, 2, classes_per_client,
-                           dirichlet_alpha)
+        parts = _partition(partition, pool.y, num_clients, seed, 2,
+                           classes_per_client=classes_per_client, dirichlet_alpha=dirichlet_alpha,
+                           params=partition_params, sensitive=pool.sensitive)
     _check_sizes(parts, partition)
     train_ptr, train_idx, test_ptr, test_idx = split_clients(parts, seed, (train_fraction,))
     x = standardise_numeric(pool.x, pool.numeric, train_idx)
@@ -359,13 +382,49 @@ def _load_tabular(dataset: str, partition: str, num_clients: int, seed: int,
                          test_ptr, test_idx, sensitive=pool.sensitive)
 
 
-def _partition(name: str, y: np.ndarray, num_clients: int, seed: int, num_classes: int,
-               classes_per_client: int, dirichlet_alpha: float) -> list[np.ndarray]:
+def _partition(name: str, y: np.ndarray, num_clients: int, seed: int, num_classes: int, *,
+               classes_per_client: int, dirichlet_alpha: float, params: dict | None = None,
+               sensitive: np.ndarray | None = None) -> list[np.ndarray]:
     rng = np.random.default_rng([seed, PARTITION_TAG])
-    if name == "iid":
-        return P.iid(y, num_clients, rng)
-    if name == "shards":
-        return P.shards(y, num_clients, rng)
-    if name == "pathological":
-        return P.pathological(y, num_clients, rng, classes_per_client, num_classes)
-    return P.dirichlet(y, num_clients, rng, dirichlet_alpha, num_classes)
+    context = dict(num_classes=num_classes, sensitive=sensitive,
+                   classes_per_client=classes_per_client, dirichlet_alpha=dirichlet_alpha)
+    return call_partition(name, y, num_clients, rng, context, params)
+
+
+def known_datasets() -> list[str]:
+    """Built-in and registered plugin data set names."""
+    return [*DATASETS, *(n for n in DATASET_LOADERS.available() if n not in DATASETS)]
+
+
+def known_partitions() -> list[str]:
+    """Built-in and registered plugin partition names."""
+    return [*PARTITIONS, *(n for n in PARTITIONERS.available() if n not in PARTITIONS)]
+
+
+def _load_plugin(dataset: str, partition: str, num_clients: int, seed: int,
+                 train_fraction: float, data_root: str | None, params: dict,
+                 label_split: dict) -> FederatedData:
+    """A plugin data set: its loader's finished split, or its pool split by a label partition."""
+    try:
+        out = DATASET_LOADERS.get(dataset)(seed=seed, data_root=data_root, **params)
+    except TypeError as exc:
+        raise DataError(f"data set '{dataset}': {exc}") from None
+    if isinstance(out, FederatedData):
+        if out.num_clients != num_clients:
+            raise DataError(f"data set '{dataset}' has {out.num_clients} clients, "
+                            f"data.num_clients is {num_clients}")
+        return out
+    if not isinstance(out, DataPool):
+        raise DataError(f"data set '{dataset}': the loader must return a DataPool or a "
+                        f"FederatedData, got {type(out).__name__}")
+    pool = out.check(dataset)
+    if partition in SPECIAL_PARTITIONS:
+        raise DataError(f"partition '{partition}' is for the built-in data sets; split a plugin "
+                        f"data set with a label partition (iid, shards, pathological, dirichlet) "
+                        f"or a plugin partition (which may take `sensitive`)")
+    parts = _partition(partition, pool.y, num_clients, seed, pool.num_classes,
+                       sensitive=pool.sensitive, **label_split)
+    _check_sizes(parts, partition)
+    train_ptr, train_idx, test_ptr, test_idx = split_clients(parts, seed, (train_fraction,))
+    return FederatedData(dataset, pool.x, pool.y, pool.num_classes, tuple(pool.x.shape[1:]),
+                         train_ptr, train_idx, test_ptr, test_idx, sensitive=pool.sensitive)

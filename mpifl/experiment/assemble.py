@@ -12,7 +12,7 @@ from mpifl import aggregators
 from mpifl.clients import TRAINERS
 from mpifl.clients.faults import NaNClients
 from mpifl.clients.meta import MetaStep
-from mpifl.core.errors import MpiflError
+from mpifl.core.errors import ConfigError, MpiflError
 from mpifl.core.layout import ParamLayout
 from mpifl.data import load_federated
 from mpifl.experiment.config import Config
@@ -47,9 +47,16 @@ def build_parts(cfg: Config) -> Parts:
         classes_per_client=d.classes_per_client, dirichlet_alpha=d.dirichlet_alpha,
         classes=d.classes, synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
         heterogeneity=d.heterogeneity, group_proportions=d.group_proportions,
-        sensitive_feature=d.sensitive_feature)
+        sensitive_feature=d.sensitive_feature, dataset_params=d.params,
+        partition_params=d.partition_params)
+    rule = aggregators.rule(cfg.server.algorithm)
+    if fed.sensitive is None and (rule.needs_num_groups or (
+            uses_meta_step(cfg) and cfg.fedmeta.meta_sampling == "group_balanced")):
+        raise ConfigError(f"data.dataset: '{d.dataset}' has no sensitive attribute, which "
+                          f"{cfg.server.algorithm} (or the group-balanced meta set) needs")
     model = build_model(cfg.model.name, fed.input_shape, fed.num_classes,
-                        hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed)
+                        hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed,
+                        **cfg.model.params)
     layout = ParamLayout.from_module(model)
     return Parts(fed, model, layout, layout.flatten_module(model).detach().clone())
 
@@ -62,7 +69,7 @@ def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
     options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
                    weight_decay=c.weight_decay, seed=cfg.run.seed,
                    memory_budget_mb=c.memory_budget_mb)
-    options.update(rule.client_options(**cfg.algorithm_params()))
+    options.update(rule.client_options(cfg.rule_params()))
     return TRAINERS[rule.trainer_kind], options
 
 

@@ -2,51 +2,74 @@
 
 Every section is a pydantic model with ``extra="forbid"`` and strict types, so an unknown key, a
 wrong type or an out-of-range value is caught before any rank does work. :func:`load_config`
-turns pydantic's report into one :class:`~mpifl.core.errors.ConfigError` line that names the key and,
-for unknown keys, suggests the closest known one.
+turns pydantic's report into one :class:`~mpifl.core.errors.ConfigError` line that names the key
+and, for unknown keys, suggests the closest known one.
 
-Each algorithm has its own table (``[fedfv]``, ``[fedavg]``), so ``--set server.algorithm=fedavg``
-switches algorithm without editing the file; only the selected algorithm's table is used.
+Each aggregation rule has its own table (``[fedfv]``, ``[fedavg]``, a plugin rule's ``[name]``),
+whose schema is the rule's own ``Params`` (:mod:`mpifl.aggregators`): the schema of a config is
+built from the registry once the ``[plugins]`` modules are imported (:func:`schema`). So
+``--set server.algorithm=fedavg`` switches algorithm without editing the file; only the selected
+rule's table is used. Models, data sets and partitions are names of their registries (or import
+paths ``"pkg.module:obj"``), checked against them after the plugins are loaded.
 """
 
 from __future__ import annotations
 
-import difflib
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from mpifl import aggregators
+from mpifl.clients import TRAINERS
 from mpifl.core.errors import ConfigError
+from mpifl.core.params import Params
+from mpifl.core.plugins import PluginError, load_modules
+from mpifl.core.registry import closest
+from mpifl.data.federated import DATASETS, SPECIAL_PARTITIONS
+from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS
+from mpifl.data.tabular import TABULAR
+from mpifl.models import MODEL_FACTORIES, MODELS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from mpifl.data.federated import DATASETS, PARTITIONS  # noqa: E402  (one source of truth)
-from mpifl.data.tabular import TABULAR  # noqa: E402
-from mpifl.models import MODELS  # noqa: E402
+INT32_MAX = 2**31 - 1  # counts stored as int32/int64 and used as tensor sizes
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", validate_default=True)
+    model_config = ConfigDict(strict=True, extra="forbid", validate_default=True,
+                              allow_inf_nan=False)
 
 
 class RunConfig(_Section):
     name: str = "run"
-    seed: int = Field(0, ge=0)
-    rounds: int = Field(100, ge=1)
-    eval_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(0, ge=0)
+    # keys numpy's and torch's generators; < 2^63 so it fits an int64 attribute and torch
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    rounds: int = Field(100, ge=1, le=INT32_MAX)
+    eval_every: int = Field(10, ge=1, le=INT32_MAX)
+    checkpoint_every: int = Field(0, ge=0, le=INT32_MAX)
+
+
+class PluginsConfig(_Section):
+    """Users' modules imported on every rank before anything else is validated; they register
+    rules, models, data sets and partitions (mpifl.plugin's decorators)."""
+
+    modules: list[str] = Field(default_factory=list)
+    # folders put in front of sys.path (relative to the working directory)
+    path: list[str] = Field(default_factory=list)
 
 
 class DataConfig(_Section):
-    dataset: Literal[DATASETS] = "fashion_mnist"  # type: ignore[valid-type]
-    partition: Literal[PARTITIONS] = "shards"  # type: ignore[valid-type]
-    num_clients: int = Field(100, ge=1)
+    # a built-in or plugin data set / partition, or "pkg.module:function" (checked by name later)
+    dataset: str = "fashion_mnist"
+    partition: str = "shards"
+    num_clients: int = Field(100, ge=1, le=INT32_MAX)
     train_fraction: float = Field(0.8, gt=0.0, lt=1.0)
     data_root: str | None = None
     classes_per_client: int = Field(2, ge=1)
@@ -59,28 +82,36 @@ class DataConfig(_Section):
     group_proportions: list[list[float]] | None = None
     # tabular sets: the sensitive attribute's one-hot columns are also model inputs
     sensitive_feature: bool = True
+    # keyword arguments of a plugin data set's loader / a plugin partition
+    params: dict[str, Any] = Field(default_factory=dict)
+    partition_params: dict[str, Any] = Field(default_factory=dict)
 
 
 class ModelConfig(_Section):
-    name: Literal[MODELS] = "mlp"  # type: ignore[valid-type]
-    hidden: list[int] = Field(default_factory=lambda: [200, 200])
+    # a built-in or plugin model, or "pkg.module:factory" (checked by name later)
+    name: str = "mlp"
+    hidden: list[Annotated[int, Field(ge=1, le=2**20)]] = Field(
+        default_factory=lambda: [200, 200], max_length=64)
     output: Literal["logits", "softmax"] = "logits"
+    # keyword arguments of a plugin model's factory
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class ClientConfig(_Section):
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(50, ge=0)
-    lr: float = Field(0.1, gt=0.0)
+    epochs: int = Field(1, ge=1, le=100_000)
+    batch_size: int = Field(50, ge=0, le=INT32_MAX)
+    # float32 training: a larger step overflows the parameters in one step
+    lr: float = Field(0.1, gt=0.0, le=1e3)
     lr_decay: float = Field(1.0, gt=0.0, le=1.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    memory_budget_mb: float = Field(1024.0, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=1e3)
+    memory_budget_mb: float = Field(1024.0, gt=0.0, le=2.0**30)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
 
 class ServerConfig(_Section):
     algorithm: str = "fedavg"
-    clients_per_round: int = Field(10, ge=1)
+    clients_per_round: int = Field(10, ge=1, le=INT32_MAX)
     sampling: Literal["uniform", "weighted", "all"] = "uniform"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_update_norm: float | None = Field(None, gt=0.0)
@@ -92,129 +123,50 @@ class FaultsConfig(_Section):
     nan_clients: list[int] = Field(default_factory=list)
 
 
-class FedAvgConfig(_Section):
-    weighting: Literal["samples", "uniform"] = "samples"
-
-
-class FedFVConfig(_Section):
-    alpha: float = Field(0.1, ge=0.0, lt=1.0)
-    tau: int = Field(1, ge=0)
-    order: Literal["loss", "random", "reverse"] = "loss"
-    external_window: Literal["paper", "flgo"] = "paper"
-
-
-class FedProxConfig(_Section):
-    mu: float = Field(0.01, ge=0.0)
-    weighting: Literal["samples", "uniform"] = "samples"
-
-
-class QFedAvgConfig(_Section):
-    q: float = Field(1.0, ge=0.0)
-
-
-class DRFLConfig(_Section):
-    pass
-
-
-class AFLConfig(_Section):
-    eta_lambda: float = Field(0.01, ge=0.0)
-
-
-class FedMGDAPlusConfig(_Section):
-    eps: float = Field(0.1, ge=0.0, le=1.0)
-    eta: float = Field(1.0, gt=0.0)
-
-
-class FedLFConfig(_Section):
-    pass
-
-
-class FedFaConfig(_Section):
-    """FedFa (Huang et al. 2020/2022, SPEC §7): beta weighs participation frequency against
-    training accuracy (alpha = 1 - beta); gamma_s is the server momentum, gamma_c the clients'
-    local SGD momentum."""
-
-    beta: float = Field(0.5, ge=0.0, le=1.0)
-    gamma_s: float = Field(0.5, ge=0.0, lt=1.0)
-    gamma_c: float = Field(0.5, ge=0.0, lt=1.0)
-
-
-class DittoConfig(_Section):
-    """Ditto (Li et al., ICML 2021, SPEC §7): lam pulls each personal model towards the global
-    one; the global model is aggregated as FedAvg with ``weighting``."""
-
-    lam: float = Field(0.1, ge=0.0)
-    weighting: Literal["samples", "uniform"] = "samples"
-
-
-class FedMDFGConfig(_Section):
-    """FedMDFG (Pan et al., AAAI 2023, SPEC §7): theta is the angle in degrees between the loss
-    vector and 1 above which the fair guidance joins; s bounds the line search (2^s .. 0.5^s)."""
-
-    theta: float = Field(11.25, gt=0.0, lt=90.0)
-    s: int = Field(5, ge=0, le=20)
-
-
-class UGAConfig(_Section):
-    """UGA (Yao et al. 2019, SPEC §6): server step size, and an optional cap on the number of
-    clients whose local training is traced at once (the memory budget caps it anyway)."""
-
-    eta_g: float = Field(1.0, gt=0.0)
-    max_traced_clients: int | None = Field(None, ge=1)
-
-
-class FedMetaConfig(_Section):
-    """FedMeta's meta step (Yao et al. 2019, SPEC §6); used by ``fedmeta`` and ``server.meta``."""
-
-    eta_meta: float = Field(0.1, gt=0.0)
-    meta_size: int = Field(100, ge=1)
-    meta_sampling: Literal["iid", "group_balanced"] = "iid"
-
-
-class MFairFLConfig(_Section):
-    """mFairFL (Su et al., AAAI 2024, SPEC §4): fairness notion and tolerance (client side),
-    multiplier step size, gradient projecting rate alpha (share of low-loss clients curated) and
-    the EMA rate beta of the pairwise similarity goals."""
-
-    notion: Literal["dp", "eo", "ap"] = "dp"
-    eps: float = Field(0.05, ge=0.0)
-    eta_lambda: float = Field(0.1, ge=0.0)
-    alpha: float = Field(0.9, ge=0.0, le=1.0)
-    beta: float = Field(0.01, gt=0.0, le=1.0)
-
-
 class Config(_Section):
-    """A whole experiment. Sections: run, data, model, client, server, and one per algorithm."""
+    """A whole experiment: the sections below plus one table per registered rule (added by
+    :func:`schema`, from each rule's ``Params``)."""
 
     run: RunConfig = Field(default_factory=RunConfig)
+    plugins: PluginsConfig = Field(default_factory=PluginsConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     client: ClientConfig = Field(default_factory=ClientConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
-    fedavg: FedAvgConfig = Field(default_factory=FedAvgConfig)
-    fedfv: FedFVConfig = Field(default_factory=FedFVConfig)
-    fedprox: FedProxConfig = Field(default_factory=FedProxConfig)
-    qfedavg: QFedAvgConfig = Field(default_factory=QFedAvgConfig)
-    drfl: DRFLConfig = Field(default_factory=DRFLConfig)
-    afl: AFLConfig = Field(default_factory=AFLConfig)
-    fedmgda_plus: FedMGDAPlusConfig = Field(default_factory=FedMGDAPlusConfig)
-    fedlf: FedLFConfig = Field(default_factory=FedLFConfig)
-    fedfa: FedFaConfig = Field(default_factory=FedFaConfig)
-    ditto: DittoConfig = Field(default_factory=DittoConfig)
-    fedmdfg: FedMDFGConfig = Field(default_factory=FedMDFGConfig)
-    mfairfl: MFairFLConfig = Field(default_factory=MFairFLConfig)
-    uga: UGAConfig = Field(default_factory=UGAConfig)
-    fedmeta: FedMetaConfig = Field(default_factory=FedMetaConfig)
+
+    def rule_params(self) -> Params:
+        """The selected rule's validated hyper-parameters (its ``Params``; defaults for a rule
+        known only by import path)."""
+        section = getattr(self, self.server.algorithm, None)
+        if isinstance(section, Params):
+            return section
+        return aggregators.rule(self.server.algorithm).validate_params({})
 
     def algorithm_params(self) -> dict[str, Any]:
-        """Hyper-parameters of the selected algorithm (its own table; empty if it has none)."""
-        section = getattr(self, self.server.algorithm, None)
-        return section.model_dump() if isinstance(section, BaseModel) else {}
+        """Hyper-parameters of the selected algorithm as a dict (its table; empty if none)."""
+        return self.rule_params().model_dump()
 
     def to_json(self) -> str:
         """Canonical JSON text of the config (stored in every results file)."""
         return json.dumps(self.model_dump(), sort_keys=True)
+
+
+def _table_name(name: str) -> bool:
+    return name.isidentifier() and name not in Config.model_fields
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(rules: tuple[str, ...]) -> type[Config]:
+    fields = {name: (aggregators.rule(name).Params,
+                     Field(default_factory=aggregators.rule(name).Params))
+              for name in rules}
+    return create_model("Config", __base__=Config, **fields)
+
+
+def schema() -> type[Config]:
+    """The Config class with one table per registered rule (call after loading plugins)."""
+    return _schema(tuple(n for n in aggregators.available() if _table_name(n)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,11 +191,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML experiment file (or the defaults if ``path`` is None), apply overrides, validate.
+    """Read a TOML experiment file (or the defaults if ``path`` is None), apply overrides, import
+    the ``[plugins]`` modules, validate.
+
+    Plugin folders (``plugins.path``) and the TOML file's own folder are searched for the plugin
+    modules, so a plugin beside its job file needs no installing.
 
     Raises:
-        ConfigError: unreadable file, TOML syntax error, unknown key, wrong type, value out of
-            range, or an inconsistent combination. The message is one line naming the key.
+        ConfigError: unreadable file, TOML syntax error, a plugin that cannot be imported, unknown
+            key, wrong type, value out of range, or an inconsistent combination. The message is
+            one line naming the key.
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -254,38 +211,75 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not isinstance(table, dict):
             raise ConfigError(f"{section}: expected a table, got {type(table).__name__}")
         table[key] = value
-    try:
-        cfg = Config.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
-    _check_consistency(cfg)
-    return cfg
+    if path is not None:
+        _anchor_plugin_path(raw, Path(path).resolve().parent)
+    return _validate(raw, [])
+
+
+def _anchor_plugin_path(raw: dict[str, Any], folder: Path) -> None:
+    """Make ``plugins.path`` absolute (relative to the job file's folder) and append that folder,
+    so every rank, a resumed run and a sweep job find the same plugin modules from anywhere."""
+    table = raw.get("plugins")
+    if not isinstance(table, dict) or not table.get("modules"):
+        return
+    path = table.get("path", [])
+    if isinstance(path, list) and all(isinstance(p, str) for p in path):
+        table["path"] = list(dict.fromkeys([*(str(folder / p) for p in path), str(folder)]))
 
 
 def config_from_json(text: str) -> Config:
-    """Rebuild a config stored by :meth:`Config.to_json` (e.g. from a results file)."""
+    """Rebuild a config stored by :meth:`Config.to_json` (e.g. from a results file), importing
+    its plugin modules first.
+
+    Raises:
+        ConfigError: invalid JSON or config, or a plugin that cannot be imported here.
+    """
     try:
-        cfg = Config.model_validate(json.loads(text))
-    except ValidationError as exc:
-        raise ConfigError(f"stored config is invalid: {_describe(exc)}") from None
+        raw = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"stored config is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("stored config is not a JSON object")
+    return _validate(raw, [], stored=True)
+
+
+def _validate(raw: dict[str, Any], search_path: list[str], stored: bool = False) -> Config:
+    _load_plugins(raw.get("plugins"), search_path)
+    try:
+        cfg = schema().model_validate(raw)
+    except ValidationError as exc:
+        what = "stored config is invalid: " if stored else ""
+        raise ConfigError(what + _describe(exc)) from None
     _check_consistency(cfg)
     return cfg
+
+
+def _load_plugins(table: Any, search_path: list[str]) -> None:
+    """Import the plugin modules a raw ``[plugins]`` table names (validated first)."""
+    try:
+        plugins = PluginsConfig.model_validate(table if table is not None else {})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, prefix=("plugins",))) from None
+    try:
+        load_modules(plugins.modules, [*plugins.path, *search_path])
+    except PluginError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 #: Keys a resumed run may change: they decide how long it runs, where things go, or how
 #: clients are chunked in memory — never what is computed.
 RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "data.data_root",
+                  "plugins.path",
                   "server.device", "client.memory_budget_mb"}
 
 
 def config_diff(old: Config, new: Config, ignore: set[str] = RESUME_MUTABLE) -> list[str]:
     """``["section.key: old -> new", ...]`` for every differing key not in ``ignore``."""
     a, b = old.model_dump(), new.model_dump()
-    return [f"{sec}.{key}: {a[sec][key]!r} -> {b[sec][key]!r}"
-            for sec in a for key in a[sec]
-            if a[sec][key] != b[sec][key] and f"{sec}.{key}" not in ignore]
+    return [f"{sec}.{key}: {a[sec].get(key)!r} -> {b.get(sec, {}).get(key)!r}"
+            for sec in sorted(set(a) | set(b)) for key in {**a.get(sec, {}), **b.get(sec, {})}
+            if a.get(sec, {}).get(key) != b.get(sec, {}).get(key)
+            and f"{sec}.{key}" not in ignore]
 
 
 def read_toml(path: Path, what: str = "config") -> dict[str, Any]:
@@ -299,11 +293,13 @@ def read_toml(path: Path, what: str = "config") -> dict[str, Any]:
         raise ConfigError(f"cannot read {what} file {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): TOML files are UTF-8") \
+            from None
 
 
-def _known_keys(loc: tuple) -> list[str]:
+def _known_keys(loc: tuple, model: type[BaseModel]) -> list[str]:
     """Field names valid at the parent of ``loc`` (for 'did you mean' suggestions)."""
-    model: type[BaseModel] = Config
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         if field is None or not isinstance(field.annotation, type):
@@ -312,45 +308,25 @@ def _known_keys(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, prefix: tuple = ()) -> str:
     err = exc.errors()[0]
-    loc = tuple(err["loc"])
+    loc = (*prefix, *err["loc"])
     key = ".".join(str(p) for p in loc)
     if err["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(str(loc[-1]), _known_keys(loc), n=1)
-        hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?)" if close else ""
+        close = closest(str(loc[-1]), _known_keys(loc, schema()))
+        hint = f" (did you mean '{'.'.join([*map(str, loc[:-1]), close])}'?)" if close else ""
         return f"unknown key '{key}'{hint}"
     got = err.get("input")
     return f"{key}: {err['msg'][0].lower()}{err['msg'][1:]} (got {got!r})"
-
-
-def _closest(word: str, candidates: list[str]) -> str | None:
-    """difflib's close matches, the one fewest edits away first ('fedfw' -> 'fedfv', whose
-    difflib ratio ties with 'fedlf')."""
-    close = difflib.get_close_matches(word, candidates, n=max(1, len(candidates)))
-    return min(close, key=lambda c: (_edits(word, c), close.index(c))) if close else None
-
-
-def _edits(a: str, b: str) -> int:
-    """Levenshtein distance."""
-    row = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, cb in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
-    return row[-1]
 
 
 def _check_client_options(cfg: Config) -> None:
     """Refuse, before any work, a rule whose client-side training mpifl's trainer lacks."""
     import inspect
 
-    from mpifl import aggregators
-    from mpifl.clients import TRAINERS
-
     name = cfg.server.algorithm
     rule = aggregators.rule(name)
-    options = rule.client_options(**cfg.algorithm_params())
+    options = rule.client_options(cfg.rule_params())
     missing = sorted(set(options) - set(inspect.signature(TRAINERS[rule.trainer_kind]).parameters))
     if missing:
         raise ConfigError(
@@ -359,23 +335,43 @@ def _check_client_options(cfg: Config) -> None:
             f"(mpifl.aggregators.create('{name}'))")
 
 
-def _check_consistency(cfg: Config) -> None:
-    """Cross-field rules and the algorithm name (the registry is the source of truth)."""
-    from mpifl import aggregators
-    from mpifl.aggregators import available
+def _check_names(cfg: Config) -> None:
+    """The rule, model, data set and partition name registered entries (or import paths)."""
+    try:
+        aggregators.rule(cfg.server.algorithm)
+    except LookupError as exc:
+        raise ConfigError(f"server.algorithm: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"server.algorithm: '{cfg.server.algorithm}': {exc}") from None
+    d = cfg.data
+    checks = (("model.name", "model", cfg.model.name, MODELS, MODEL_FACTORIES),
+              ("data.dataset", "data set", d.dataset, DATASETS, DATASET_LOADERS),
+              ("data.partition", "partition", d.partition, SPECIAL_PARTITIONS, PARTITIONERS))
+    for key, kind, name, builtin, registry in checks:
+        if name in builtin:
+            continue
+        try:
+            registry.get(name)
+        except LookupError as exc:
+            if ":" in name:
+                raise ConfigError(f"{key}: {exc}") from None
+            known = sorted({*builtin, *registry.available()})
+            close = closest(name, known)
+            hint = f" (did you mean '{close}'?)" if close else ""
+            raise ConfigError(f"{key}: unknown {kind} '{name}'{hint}; known: {', '.join(known)}, "
+                              f"or an import path 'package.module:object'") from None
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: '{name}': {exc}") from None
 
-    algos = available()
-    if cfg.server.algorithm not in algos:
-        close = _closest(cfg.server.algorithm, algos)
-        hint = f" (did you mean '{close}'?)" if close else ""
-        raise ConfigError(
-            f"server.algorithm: unknown algorithm '{cfg.server.algorithm}'{hint}; "
-            f"known: {', '.join(algos)}"
-        )
+
+def _check_consistency(cfg: Config) -> None:
+    """Cross-field rules; names are checked against the registries (the source of truth)."""
+    _check_names(cfg)
     _check_client_options(cfg)
     d, s = cfg.data, cfg.server
-    if s.algorithm == "afl" and s.sampling != "all":
-        raise ConfigError(f"server.sampling: afl needs every client every round, set "
+    rule = aggregators.rule(s.algorithm)
+    if rule.needs_all_clients and s.sampling != "all":
+        raise ConfigError(f"server.sampling: {s.algorithm} needs every client every round, set "
                           f"server.sampling = \"all\" (got '{s.sampling}')")
     if s.sampling != "all" and s.clients_per_round > d.num_clients:
         raise ConfigError(
@@ -393,18 +389,18 @@ def _check_consistency(cfg: Config) -> None:
             f"({len(d.classes)}), got {d.num_clients}"
         )
     _check_tabular(d)
-    if s.algorithm == "mfairfl" and d.dataset not in TABULAR:
-        raise ConfigError(f"data.dataset: mfairfl's group-fairness constraints need a binary task "
-                          f"with a sensitive attribute ({', '.join(TABULAR)}), got '{d.dataset}'")
-    meta = s.meta or getattr(aggregators.rule(s.algorithm), "meta_step", False)
-    if meta and cfg.fedmeta.meta_sampling == "group_balanced" and d.dataset not in TABULAR:
+    builtin_without_groups = d.dataset in DATASETS and d.dataset not in TABULAR
+    if rule.needs_num_groups and builtin_without_groups:
+        raise ConfigError(f"data.dataset: {s.algorithm}'s group-fairness constraints need a binary "
+                          f"task with a sensitive attribute ({', '.join(TABULAR)} or a plugin data "
+                          f"set with one), got '{d.dataset}'")
+    meta = s.meta or rule.meta_step
+    if meta and cfg.fedmeta.meta_sampling == "group_balanced" and builtin_without_groups:
         raise ConfigError(f"fedmeta.meta_sampling: 'group_balanced' needs a dataset with a "
                           f"sensitive attribute ({', '.join(TABULAR)}), got '{d.dataset}'")
     bad = [k for k in cfg.faults.nan_clients if not 0 <= k < d.num_clients]
     if bad:
         raise ConfigError(f"faults.nan_clients: ids {bad} are outside 0..{d.num_clients - 1}")
-    if any(h < 1 for h in cfg.model.hidden):
-        raise ConfigError(f"model.hidden: layer sizes must be >= 1 (got {cfg.model.hidden})")
 
 
 def _check_tabular(d: DataConfig) -> None:

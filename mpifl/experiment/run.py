@@ -87,7 +87,7 @@ def plan_start(cfg: Config | None, out: Path, mode: str, rounds: int | None = No
             return Start(cfg)
         stored = config_from_json(ckpt.config_json if ckpt else _results_config(out))
         if rounds is not None:
-            stored = Config.model_validate({**stored.model_dump(), "run": {
+            stored = type(stored).model_validate({**stored.model_dump(), "run": {
                 **stored.run.model_dump(), "rounds": rounds}})
         if cfg is None:
             cfg = stored

@@ -5,6 +5,7 @@ May import: core, metrics.  Never imports: data, aggregators, store or anything 
 """
 
 from mpifl.core.layout import Layer, ParamLayout
-from mpifl.models.zoo import MODELS, OUTPUTS, build_model
+from mpifl.models.zoo import MODEL_FACTORIES, MODELS, OUTPUTS, build_model, check_model
 
-__all__ = ["MODELS", "OUTPUTS", "Layer", "ParamLayout", "build_model"]
+__all__ = ["MODELS", "MODEL_FACTORIES", "OUTPUTS", "Layer", "ParamLayout", "build_model",
+           "check_model"]

@@ -24,18 +24,32 @@ slices of it.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from mpifl.core.errors import ConfigError
+from mpifl.core.registry import Registry
 
+#: The built-in models (SPEC §9).
 MODELS = ("logreg", "mlp", "cnn_mnist", "cnn_cifar")
 OUTPUTS = ("logits", "softmax")
+
+
+def _check_factory(name: str, factory: object) -> None:
+    if not callable(factory):
+        raise TypeError(f"model {name!r} must be a callable factory "
+                        f"(input_shape, num_classes, *, seed, **params) -> nn.Module")
+
+
+#: Model factories by name: ``factory(input_shape, num_classes, *, seed, **params) -> nn.Module``
+#: (built-ins below; plugins add theirs with ``@MODEL_FACTORIES.register("name")``).
+MODEL_FACTORIES: Registry = Registry("model", _check_factory)
 
 
 # --------------------------------------------------------------------------- model zoo
@@ -49,40 +63,91 @@ def build_model(
     hidden: Sequence[int] = (200, 200),
     output: str = "logits",
     seed: int = 0,
+    **params: Any,
 ) -> nn.Module:
-    """Build a model of the zoo with deterministic initial weights.
+    """Build a registered model (built-in or plugin) with deterministic initial weights.
 
     Args:
-        name: one of :data:`MODELS`.
+        name: a name of :data:`MODEL_FACTORIES` (built-ins: :data:`MODELS`) or an import path
+            ``"pkg.module:factory"``.
         input_shape: shape of one sample, without the batch dimension, e.g. ``(784,)``,
             ``(1, 28, 28)`` or ``(3, 32, 32)``. CNNs take ``(C, H, W)`` or ``(H, W)`` (one channel).
         num_classes: number of classes C (>= 2); the model outputs ``(batch, C)``.
-        hidden: hidden layer widths of ``mlp`` (ignored by the other models).
+        hidden: hidden layer widths, passed to factories that take ``hidden`` (``mlp``).
         output: ``"logits"`` or ``"softmax"`` (appends ``Softmax(dim=-1)``, FedFV reference code).
         seed: initial weights depend only on this; the global torch RNG is left untouched.
+        params: further keyword arguments of the factory (a plugin model's ``[model.params]``).
 
     Returns:
-        An ``nn.Sequential`` of float32 CPU parameters and no buffers.
+        An ``nn.Module`` of float32 CPU parameters and no buffers (checked:
+        :func:`check_model`).
 
     Raises:
-        ConfigError: unknown name or output, or shapes the model cannot take.
+        ConfigError: unknown name or output, shapes the model cannot take, parameters the
+            factory refuses, or a model that breaks the vmap contract.
     """
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    try:
+        factory = MODEL_FACTORIES.get(name)
+    except LookupError as exc:
+        raise ConfigError(f"model.name: {exc}") from None
     if output not in OUTPUTS:
         raise ConfigError(f"unknown model output {output!r}; choose 'logits' or 'softmax'")
     shape = _check_shape(input_shape)
     if int(num_classes) < 2:
         raise ConfigError(f"num_classes must be at least 2, got {num_classes}")
-    builder = {"logreg": _logreg, "mlp": _mlp, "cnn_mnist": _cnn_mnist, "cnn_cifar": _cnn_cifar}[name]
+    if "hidden" in inspect.signature(factory).parameters:
+        params = {"hidden": tuple(hidden), **params}
     # Module constructors draw from the global CPU generator: fork it so that the caller's
     # random stream is exactly as before, and seed only the forked copy.
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(int(seed))
-        layers = builder(shape, int(num_classes), tuple(hidden))
+        try:
+            model = factory(shape, int(num_classes), seed=int(seed), **params)
+        except TypeError as exc:
+            raise ConfigError(f"model '{name}': {exc}") from None
     if output == "softmax":
-        layers["softmax"] = nn.Softmax(dim=-1)
-    return nn.Sequential(layers)
+        model = nn.Sequential(OrderedDict([*model.named_children()], softmax=nn.Softmax(dim=-1))) \
+            if isinstance(model, nn.Sequential) else nn.Sequential(model, nn.Softmax(dim=-1))
+    check_model(model, shape, int(num_classes), name)
+    return model
+
+
+def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
+                name: str = "model") -> None:
+    """The contract of vmapped training (``torch.func.functional_call`` over stacked float32
+    parameters, one flat vector per client): an ``nn.Module`` with at least one parameter, all
+    float32; no buffers (BatchNorm's running statistics are per-model state that vmapped clients
+    cannot each carry); no dropout (its masks would come from torch's global RNG, not from
+    mpifl's (seed, round, client) keys, so runs would not be reproducible); output
+    ``(batch, num_classes)``.
+
+    Raises:
+        ConfigError: naming the model, the offending parameter, buffer or module, and why.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model '{name}': the factory must return a torch.nn.Module, "
+                          f"got {type(model).__name__}")
+    named = list(model.named_parameters())
+    if not named:
+        raise ConfigError(f"model '{name}' has no parameters to train")
+    for pname, p in named:
+        if p.dtype != torch.float32:
+            raise ConfigError(f"model '{name}': parameter '{pname}' is {p.dtype}; mpifl trains "
+                              f"float32 parameters (build it with dtype=torch.float32)")
+    for bname, _ in model.named_buffers():
+        raise ConfigError(f"model '{name}' has a buffer '{bname}' (e.g. BatchNorm's running "
+                          f"statistics): vmapped clients cannot each carry it; use GroupNorm or "
+                          f"LayerNorm, or BatchNorm2d(track_running_stats=False)")
+    for mname, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            raise ConfigError(f"model '{name}': '{mname}' is dropout, whose masks come from "
+                              f"torch's global RNG, not mpifl's (seed, round, client) keys, so "
+                              f"runs would not be reproducible; remove it")
+    with torch.no_grad():
+        out = model(torch.zeros(2, *input_shape))
+    if tuple(out.shape) != (2, num_classes):
+        raise ConfigError(f"model '{name}': output shape {tuple(out.shape)} for a batch of 2, "
+                          f"expected (2, {num_classes})")
 
 
 def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
@@ -92,13 +157,15 @@ def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
-def _logreg(shape: tuple[int, ...], c: int, _hidden) -> OrderedDict:
+@MODEL_FACTORIES.register("logreg")
+def _logreg(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     fc = nn.Linear(math.prod(shape), c)
     nn.init.zeros_(fc.bias)  # as in the reference logistic regressions (SPEC §8)
-    return OrderedDict(flatten=nn.Flatten(), fc=fc)
+    return nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=fc))
 
 
-def _mlp(shape: tuple[int, ...], c: int, hidden: tuple[int, ...]) -> OrderedDict:
+@MODEL_FACTORIES.register("mlp")
+def _mlp(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: Sequence[int] = (200, 200)) -> nn.Sequential:
     if any(int(h) < 1 for h in hidden):
         raise ConfigError(f"mlp hidden sizes must be positive, got {hidden}")
     layers: OrderedDict = OrderedDict(flatten=nn.Flatten())
@@ -108,7 +175,7 @@ def _mlp(shape: tuple[int, ...], c: int, hidden: tuple[int, ...]) -> OrderedDict
         layers[f"relu{i}"] = nn.ReLU()
         width = int(h)
     layers["out"] = nn.Linear(width, c)
-    return layers
+    return nn.Sequential(layers)
 
 
 def _image_input(shape: tuple[int, ...], model: str) -> tuple[OrderedDict, int, int, int]:
@@ -121,7 +188,8 @@ def _image_input(shape: tuple[int, ...], model: str) -> tuple[OrderedDict, int, 
     raise ConfigError(f"{model} needs input_shape (C, H, W) or (H, W), got {shape}")
 
 
-def _cnn_mnist(shape: tuple[int, ...], c: int, _hidden) -> OrderedDict:
+@MODEL_FACTORIES.register("cnn_mnist")
+def _cnn_mnist(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     layers, ch, h, w = _image_input(shape, "cnn_mnist")
     if h < 4 or w < 4:
         raise ConfigError(f"cnn_mnist needs images of at least 4x4, got {h}x{w}")
@@ -132,10 +200,11 @@ def _cnn_mnist(shape: tuple[int, ...], c: int, _hidden) -> OrderedDict:
         fc1=nn.Linear(64 * (h // 2 // 2) * (w // 2 // 2), 512), relu3=nn.ReLU(),
         out=nn.Linear(512, c),
     )
-    return layers
+    return nn.Sequential(layers)
 
 
-def _cnn_cifar(shape: tuple[int, ...], c: int, _hidden) -> OrderedDict:
+@MODEL_FACTORIES.register("cnn_cifar")
+def _cnn_cifar(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     layers, ch, h, w = _image_input(shape, "cnn_cifar")
     # Two unpadded 5x5 convolutions, each followed by a 2x2 max-pool: 32 -> 28 -> 14 -> 10 -> 5.
     fh, fw = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
@@ -149,4 +218,4 @@ def _cnn_cifar(shape: tuple[int, ...], c: int, _hidden) -> OrderedDict:
         fc2=nn.Linear(384, 192), relu4=nn.ReLU(),
         out=nn.Linear(192, c),
     )
-    return layers
+    return nn.Sequential(layers)

@@ -1,0 +1,64 @@
+"""The public API for extending mpifl without forking it: your own aggregation rules, models,
+data sets and partitions, registered by decorators when your module is imported.
+
+Name your module in the job file and mpifl imports it on every rank before it validates the
+config (or publish it under the ``mpifl.plugins`` entry-point group)::
+
+    [plugins]
+    modules = ["my_fl_plugins"]        # searched beside the job file, then on sys.path
+
+    [server]
+    algorithm = "trimmed_mean"         # or an import path "my_fl_plugins.rules:TrimmedMean"
+
+    [trimmed_mean]                     # the rule's Params, validated like a built-in table
+    trim = 0.2
+
+The four decorators (README "Plugins" walks through examples/plugin/):
+
+- :func:`register_rule` on an :class:`Aggregator` subclass with a nested ``Params``
+  (:class:`Params`): ``aggregate(r: RoundUpdates) -> step`` (d,), ``w <- w - step``.
+- :func:`register_model` on ``factory(input_shape, num_classes, *, seed, **params) -> nn.Module``;
+  ``[model.params]`` are its keywords. mpifl seeds torch's RNG around the call (weights depend on
+  the seed only) and checks the vmap contract (:func:`mpifl.models.check_model`).
+- :func:`register_dataset` on ``loader(*, seed, data_root, **params) -> DataPool | FederatedData``;
+  ``[data.params]`` are its keywords. A :class:`DataPool` is split by ``data.partition``.
+- :func:`register_partition` on ``partition(labels, num_clients, rng, **context) -> list of K
+  index arrays`` (:mod:`mpifl.data.registry`); ``[data.partition_params]`` are its keywords.
+"""
+
+from mpifl.aggregators.base import RULES, Aggregator, RoundUpdates
+from mpifl.aggregators.base import register as register_rule
+from mpifl.core.params import Params
+from mpifl.data.federated import FederatedData
+from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, DataPool
+from mpifl.models.zoo import MODEL_FACTORIES
+
+__all__ = ["Aggregator", "DataPool", "FederatedData", "Params", "RoundUpdates", "register_dataset",
+           "register_model", "register_partition", "register_rule", "RULES"]
+
+
+def register_model(name: str):
+    """Decorator: register a model factory as ``model.name = "<name>"``.
+
+    Raises:
+        ValueError: the name is taken by another factory, empty, or contains ':'.
+    """
+    return MODEL_FACTORIES.register(name)
+
+
+def register_dataset(name: str):
+    """Decorator: register a data set loader as ``data.dataset = "<name>"``.
+
+    Raises:
+        ValueError: the name is taken by another loader, empty, or contains ':'.
+    """
+    return DATASET_LOADERS.register(name)
+
+
+def register_partition(name: str):
+    """Decorator: register a partition as ``data.partition = "<name>"``.
+
+    Raises:
+        ValueError: the name is taken by another partition, empty, or contains ':'.
+    """
+    return PARTITIONERS.register(name)
