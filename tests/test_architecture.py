@@ -24,3 +24,23 @@ def test_every_layer_states_what_it_may_import():
         doc = init.read_text().split('"""')[1]
         assert doc.startswith(f"{init.parent.name} — "), init
         assert "May import:" in doc, init
+
+
+def test_contract_catches_an_upward_import_and_a_loop(tmp_path):
+    """The contract is not vacuous: a copy of the package with one upward import (core -> cli)
+    and one loop between two aggregator modules breaks both contracts."""
+    shutil.copytree(ROOT / "mpifl", tmp_path / "mpifl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    errors = tmp_path / "mpifl" / "core" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _late():\n    import mpifl.cli  # noqa\n")
+    gram = tmp_path / "mpifl" / "aggregators" / "gram.py"
+    gram.write_text(gram.read_text() + "\n\ndef _late():\n    import mpifl.aggregators.qp  # noqa\n")
+    qp = tmp_path / "mpifl" / "aggregators" / "qp.py"
+    qp.write_text(qp.read_text() + "\n\ndef _late():\n    import mpifl.aggregators.gram  # noqa\n")
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    out = subprocess.run([exe, "--no-cache"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.returncode != 0
+    assert "Contracts: 0 kept, 2 broken" in out.stdout, out.stdout[-3000:]
+    assert "mpifl.core.errors -> mpifl.cli" in out.stdout

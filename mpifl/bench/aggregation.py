@@ -405,7 +405,9 @@ def bench_device(device: str) -> torch.device:
 
 
 def _takes(alg: str, param: str) -> bool:
-    return param in inspect.signature(rule(alg)).parameters
+    """Whether the rule has hyper-parameter ``param`` (its Params) or takes it as a keyword."""
+    cls = rule(alg)
+    return param in cls.Params.model_fields or param in inspect.signature(cls).parameters
 
 
 class _Inputs:

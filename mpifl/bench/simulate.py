@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from mpifl.bench.aggregation import bench_device, machine_info, torch_threads
 from mpifl.clients.trainer import VmapTrainer, client_minibatches
+from mpifl.core.rng import BENCH_SIMULATE_TAG
 
 #: the main job, the default base of the workload (when the repository's jobs/ is at hand)
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "jobs" / "fmnist-fedfv.toml"
@@ -297,7 +298,7 @@ def _select(seed: int, rnd: int, K: int, m: int) -> np.ndarray:
     """m distinct clients of K for round ``rnd`` (sorted), the same for both paths."""
     if m >= K:
         return np.arange(K, dtype=np.int64)
-    rng = np.random.default_rng([seed, rnd, 0x51B])
+    rng = np.random.default_rng([seed, rnd, BENCH_SIMULATE_TAG])
     return np.sort(rng.choice(K, size=m, replace=False)).astype(np.int64)
 
 

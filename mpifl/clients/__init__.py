@@ -9,14 +9,18 @@ and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019) and
 """
 
 from mpifl.clients.trainer import VmapTrainer, batch_order, client_minibatches
+from mpifl.core.registry import Registry
 from mpifl.core.wire import Columns
 from mpifl.clients.ditto import DittoTrainer
 from mpifl.clients.mfairfl import LagrangianTrainer
 from mpifl.clients.uga import UGATrainer
 
-#: Local-training kinds an aggregation rule can ask for (``Aggregator.trainer_kind``).
-TRAINERS = {"sgd": VmapTrainer, "uga": UGATrainer, "mfairfl": LagrangianTrainer,
-            "ditto": DittoTrainer}
+#: Local-training kinds an aggregation rule can ask for (``Aggregator.trainer_kind``); a plugin
+#: may add a :class:`VmapTrainer` subclass with ``@TRAINERS.register("kind")``.
+TRAINERS: Registry[type[VmapTrainer]] = Registry("trainer")
+for _kind, _cls in (("sgd", VmapTrainer), ("uga", UGATrainer), ("mfairfl", LagrangianTrainer),
+                    ("ditto", DittoTrainer)):
+    TRAINERS.add(_kind, _cls)
 
 __all__ = ["TRAINERS", "Columns", "DittoTrainer", "LagrangianTrainer", "UGATrainer", "VmapTrainer",
            "batch_order", "client_minibatches"]

@@ -12,14 +12,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_DROPOUT_TAG = 0xD809
+from mpifl.core.rng import DROPOUT_TAG
+
 
 
 def dropped_out(seed: int, rnd: int, client_ids: np.ndarray, p: float) -> np.ndarray:
     """(m,) bool: which selected clients drop out of round ``rnd`` (one keyed draw per client)."""
     if p <= 0:
         return np.zeros(len(client_ids), dtype=bool)
-    draws = [np.random.default_rng([seed, rnd, int(k), _DROPOUT_TAG]).random() for k in client_ids]
+    draws = [np.random.default_rng([seed, rnd, int(k), DROPOUT_TAG]).random() for k in client_ids]
     return np.asarray(draws) < p
 
 

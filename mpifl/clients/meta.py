@@ -28,12 +28,10 @@ from torch.func import functional_call, grad
 from mpifl.aggregators.fedmeta import check_meta_params
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
+from mpifl.core.rng import META_TAG
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpifl.data.federated import FederatedData
-
-# Keys the meta-set draw apart from every other (seed, ...) stream of mpifl.
-META_TAG = 0x6D6D6574
 
 
 def meta_indices(fed: FederatedData, *, seed: int, size: int, sampling: str = "iid") -> np.ndarray:

@@ -109,6 +109,8 @@ class Registry(Generic[T]):
         raise UnknownName(f"unknown {self.kind} '{name}'{hint}; known: {', '.join(self.available())}"
                           f", or an import path 'package.module:object'")
 
+    __getitem__ = get
+
     def available(self) -> list[str]:
         """Registered names, sorted (import paths used so far included)."""
         return sorted(self._entries)

@@ -25,6 +25,7 @@ from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
 from mpifl.data.synthetic import generate_synthetic
 from mpifl.data.tabular import TABULAR, load_tabular, standardise_numeric
 from mpifl.core.errors import DataError
+from mpifl.core.rng import PARTITION_TAG, SPLIT_TAG
 
 #: The built-in data sets (plugins add theirs to :data:`mpifl.data.registry.DATASET_LOADERS`).
 DATASETS = ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", *TABULAR)
@@ -34,10 +35,6 @@ PARTITIONS = ("iid", "shards", "pathological", "dirichlet", "one_class_per_clien
               "group_skew")
 #: Built-in partitions that are not label partitions of a pool.
 SPECIAL_PARTITIONS = ("one_class_per_client", "natural", "group_skew")
-
-# Large constants keep these RNG streams apart from the [seed, round, client] streams of training.
-PARTITION_TAG = 0x6D706601
-SPLIT_TAG = 0x6D706602
 
 ONE_CLASS_DEFAULT = (0, 2, 6)  # Fashion-MNIST T-shirt, pullover, shirt (FedFV Table 3)
 ONE_CLASS_FRACTIONS = (0.8, 0.1)  # train, test; the remaining 10 % is validation (unused)

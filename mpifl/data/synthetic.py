@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpifl.core.rng import SYNTHETIC_TAG
+
 NUM_FEATURES = 60
 NUM_CLASSES = 10
 MIN_SAMPLES_PER_CLIENT = 50
 MAX_SAMPLES_PER_CLIENT = 1000
-_TAG = 0x6D706603  # keys the per-client generators apart from every other mpifl RNG stream
 
 # Feature j (1-based) has variance j^-1.2: later features carry less signal.
 _FEATURE_STD = (np.arange(1, NUM_FEATURES + 1, dtype=np.float64) ** -0.6).astype(np.float32)
@@ -65,7 +66,7 @@ def generate_synthetic(
         at rows ``sum(sizes[:k]) : sum(sizes[:k+1])`` (the "natural" partition).
     """
     def client_rng(k: int) -> np.random.Generator:
-        return np.random.default_rng([seed, _TAG, k])
+        return np.random.default_rng([seed, SYNTHETIC_TAG, k])
 
     # Two passes so the output is allocated once (no concatenation: half the peak memory).
     sizes = np.array([_num_samples(client_rng(k)) for k in range(num_clients)], dtype=np.int64)

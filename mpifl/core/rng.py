@@ -1,0 +1,29 @@
+"""Every random stream of mpifl, in one table: each draw comes from a numpy generator keyed by
+the experiment seed, a tag from this table where needed, and the coordinates it belongs to, so
+there is no hidden RNG state to checkpoint and the same run gives the same draws on any number of
+ranks (DESIGN "Reproducibility").
+
+=========================  ==========================================  ==========================
+stream                     key                                         where
+=========================  ==========================================  ==========================
+client partition           ``[seed, PARTITION_TAG]``                   data.federated
+client train/test split    ``[seed, k, SPLIT_TAG]``                    data.federated
+Synthetic(alpha, beta)     ``[seed, SYNTHETIC_TAG, k]``                data.synthetic
+minibatch order            ``[seed, round, k, epoch]`` (no tag)        clients.trainer
+client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
+FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
+client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
+FedFV's random order       ``[seed, round]`` (no tag)                  aggregators.fedfv
+bench simulate's clients   ``[seed, round, BENCH_SIMULATE_TAG]``       bench.simulate
+=========================  ==========================================  ==========================
+
+The values are part of the results: changing one changes every run that uses the stream.
+"""
+
+PARTITION_TAG = 0x6D706601
+SPLIT_TAG = 0x6D706602
+SYNTHETIC_TAG = 0x6D706603
+META_TAG = 0x6D6D6574
+DROPOUT_TAG = 0xD809
+SAMPLING_TAG = 0x5A3
+BENCH_SIMULATE_TAG = 0x51B
