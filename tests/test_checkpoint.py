@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpifl.store import checkpoint
+from mpifl.store import checkpoint, sealed
 from mpifl.store.checkpoint import Checkpoint
 from mpifl.core.errors import OutputError
 from mpifl.store.results import MetricHistory
@@ -103,6 +103,7 @@ def test_foreign_file_and_unknown_schema_are_refused(tmp_path):
     path = checkpoint.save(tmp_path, make(2))
     with h5py.File(path, "r+") as f:
         f.attrs["schema_version"] = 99
+    sealed.seal(path)  # a valid file of another version (an edit without re-sealing is damage)
     with pytest.raises(OutputError, match="schema version 99"):
         checkpoint.read(path)
 

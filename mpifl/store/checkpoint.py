@@ -3,8 +3,11 @@
 A run ``RUN.h5`` keeps its checkpoints in the folder ``RUN.h5.ckpt/`` as ``round-NNNNNN.h5``
 (NNNNNN = rounds completed). Each is written to a temporary name, fsynced, renamed, and the
 folder fsynced; the previous one is kept, so a ``kill -9`` at any instant leaves at least one
-complete checkpoint. A SHA-256 digest over every dataset and attribute, stored as the root
-attribute ``digest``, catches flipped bytes and truncation on load.
+complete checkpoint. A SHA-256 of the whole file in its HDF5 user block
+(:mod:`mpifl.store.sealed`) is verified before HDF5 reads it, and a SHA-256 over every dataset
+and attribute, stored as the root attribute ``digest``, is checked too (older checkpoints have
+only this one): flipped bytes, damaged HDF5 metadata and truncation are reported on load and the
+previous checkpoint is used. Stale ``.tmp-PID`` files of killed writers are removed on save.
 
 Layout of a checkpoint::
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,9 @@ import h5py
 import numpy as np
 
 from mpifl.core.errors import OutputError
+from mpifl.core.locking import clean_stale_temporaries
 from mpifl.store.results import SCHEMA_VERSION, MetricHistory
+from mpifl.store.sealed import open_verified, write_atomic
 
 log = logging.getLogger("mpifl.store.checkpoint")
 
@@ -65,17 +69,12 @@ def save(folder: Path, ckpt: Checkpoint) -> Path:
             checkpoints are untouched.
     """
     final = folder / f"round-{ckpt.round:06d}.h5"
-    tmp = folder / f".{final.name}.tmp-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        _write(tmp, ckpt)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(folder)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
+    clean_stale_temporaries(folder)  # left by a writer killed mid-write
+    write_atomic(final, lambda f: _write(f, ckpt), "checkpoint")
     for old in _listed(folder)[KEEP:]:
         old.unlink(missing_ok=True)
     return final
@@ -89,6 +88,8 @@ def load_latest(folder: Path) -> Checkpoint | None:
     Raises:
         OutputError: checkpoints exist but none is valid.
     """
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{folder}: is not a checkpoint folder (a file is in its place)")
     paths = _listed(folder)
     problems = []
     for path in paths:
@@ -108,8 +109,9 @@ def read(path: Path) -> Checkpoint:
     Raises:
         OutputError: unreadable, truncated, digest mismatch, foreign file, unknown schema.
     """
+    fileobj, _sealed = open_verified(path, "checkpoint")
     try:
-        with h5py.File(path, "r") as f:
+        with fileobj, h5py.File(fileobj, "r") as f:
             if f.attrs.get("kind") != KIND:
                 raise OutputError(f"{path}: not an mpifl checkpoint")
             if int(f.attrs.get("schema_version", -1)) != SCHEMA_VERSION:
@@ -125,21 +127,21 @@ def read(path: Path) -> Checkpoint:
                 path=path)
     except OutputError:
         raise
-    except (OSError, KeyError, ValueError, TypeError) as exc:
-        raise OutputError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
+        first = (str(exc).splitlines() or [""])[0]
+        raise OutputError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {first})") from None
 
 
-def _write(path: Path, ckpt: Checkpoint) -> None:
-    with h5py.File(path, "w") as f:
-        f.attrs["kind"] = KIND
-        f.attrs["schema_version"] = SCHEMA_VERSION
-        f.attrs["config"] = ckpt.config_json
-        f.attrs["round"] = ckpt.round
-        f.attrs["world_size"] = ckpt.world_size
-        f.create_dataset("model/global", data=np.asarray(ckpt.w, dtype=np.float32))
-        _write_state(f.create_group("aggregator"), ckpt.aggregator)
-        ckpt.history.to_group(f.create_group("history"))
-        f.attrs["digest"] = _digest(f)
+def _write(f: h5py.File, ckpt: Checkpoint) -> None:
+    f.attrs["kind"] = KIND
+    f.attrs["schema_version"] = SCHEMA_VERSION
+    f.attrs["config"] = ckpt.config_json
+    f.attrs["round"] = ckpt.round
+    f.attrs["world_size"] = ckpt.world_size
+    f.create_dataset("model/global", data=np.asarray(ckpt.w, dtype=np.float32))
+    _write_state(f.create_group("aggregator"), ckpt.aggregator)
+    ckpt.history.to_group(f.create_group("history"))
+    f.attrs["digest"] = _digest(f)
 
 
 def _write_state(group: h5py.Group, state: dict[str, Any]) -> None:
@@ -193,11 +195,3 @@ def _listed(folder: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
     return [p for _, p in sorted(found, reverse=True)]
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -18,7 +18,9 @@ Layout (also in the README)::
     /model/global            (d,)   float32, final global parameters, named_parameters order
     /model/layer_names, layer_start, layer_stop   (L,) the layer map (module -> slice of /model/global)
 
-Rows are appended and flushed as the run goes, so a run that dies keeps every completed round.
+The file is rewritten atomically (temporary file, SHA-256 seal, rename) after every evaluation,
+checkpoint and at least every FLUSH_SECONDS, so a run that dies or hits a full disk keeps its
+evaluations and the file is never half-written.
 Nothing is pickled: the config is a JSON text attribute and everything else is a plain dataset.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +37,15 @@ import numpy as np
 
 from mpifl import __version__
 from mpifl.core.errors import OutputError
+from mpifl.core.locking import clean_stale_temporaries
 from mpifl.metrics.summary import SUMMARY_KEYS
+from mpifl.store.sealed import open_verified, write_atomic
 
 SCHEMA_VERSION = 1
+
+#: The results file is rewritten at least this often (and after every evaluation, checkpoint
+#: and at the end): a run that dies loses at most this many seconds of /rounds rows.
+FLUSH_SECONDS = 1.0
 
 #: /eval summaries on data with a sensitive attribute: violations on the union of test data.
 GROUP_KEYS = ("group/dp", "group/eo", "group/ap")
@@ -176,7 +185,13 @@ class MetricHistory:
 
 
 class ResultsWriter:
-    """Append-only writer of one run's results file (rank 0).
+    """Writer of one run's results file (rank 0).
+
+    The rows live in memory (:class:`MetricHistory`, also what checkpoints store) and every
+    append rewrites the whole file: to a temporary file beside it, sealed with its SHA-256
+    (:mod:`mpifl.store.sealed`) and renamed over the previous one. A failed write (a full disk)
+    or a kill at any instant therefore leaves the previous complete file, never a damaged one,
+    and a reader never sees a half-written row.
 
     Args:
         path: the .h5 file to create (replaced if it exists; the CLI asks first).
@@ -185,44 +200,23 @@ class ResultsWriter:
         num_clients: K, the width of the per-client evaluation arrays.
         history: rows to write first (a resumed run rewrites its results from its checkpoint);
             kept up to date with every later append, for the next checkpoint.
+
+    Raises:
+        OutputError: the file cannot be written (the previous file, if any, is untouched).
     """
 
     def __init__(self, path: Path, config_json: str, *, world_size: int, num_clients: int,
                  num_layers: int, algorithm: str, group_metrics: bool = False,
                  personal_metrics: bool = False, history: MetricHistory | None = None):
-        try:
-            self._f = h5py.File(path, "w")
-        except OSError as exc:
-            raise OutputError(f"cannot create results file {path}: {exc}") from None
-        a = self._f.attrs
-        a["schema_version"] = SCHEMA_VERSION
-        a["mpifl_version"] = __version__
-        a["config"] = config_json
-        a["world_size"] = world_size
-        a["num_clients"] = num_clients
-        a["algorithm"] = algorithm
-        a["status"] = "running"
-        rounds = self._f.create_group("rounds")
-        for name, (dtype, unit) in ROUND_COLUMNS.items():
-            rounds.create_dataset(name, (0,), dtype=dtype, maxshape=(None,), chunks=(1024,))
-            rounds[name].attrs["unit"] = unit
-        for name, (dtype, unit) in LAYER_COLUMNS.items():
-            rounds.create_dataset(name, (0, num_layers), dtype=dtype, maxshape=(None, num_layers),
-                                  chunks=(256, num_layers))
-            rounds[name].attrs["unit"] = unit
-        ev = self._f.create_group("eval")
-        ev.create_dataset("round", (0,), dtype="i8", maxshape=(None,), chunks=(256,))
+        self.path = Path(path)
+        clean_stale_temporaries(self.path.parent, f".{self.path.name}.tmp-")
+        self.attrs = {"schema_version": SCHEMA_VERSION, "mpifl_version": __version__,
+                      "config": config_json, "world_size": world_size,
+                      "num_clients": num_clients, "algorithm": algorithm, "status": "running"}
         self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
-        for name, _ in self.history._per_client():
-            chunk = (1, max(1, min(num_clients, 65536)))
-            ev.create_dataset(name, (0, num_clients), dtype="f8", maxshape=(None, num_clients),
-                              chunks=chunk)
-        for name in self.history.summary_keys:
-            ev.create_dataset(name, (0,), dtype="f8", maxshape=(None,), chunks=(256,))
-        ev["client_accuracy"].attrs["unit"] = "fraction in [0, 1]"
-        ev["std"].attrs["unit"] = "percentage points"
-        ev["fair_angle"].attrs["unit"] = "radians"
-        ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
+        self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
+        self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
+        self._pending = self._eval_pending = False
         old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
         for i in range(len(old.rounds["round"])):
             self.append_round({name: col[i] for name, col in old.rounds.items()}, flush=False)
@@ -232,22 +226,63 @@ class ResultsWriter:
             self.append_eval(rnd, old.accuracy[i], old.loss[i],
                              {name: old.summary[name][i] for name in old.summary_keys}, personal,
                              flush=False)
-        self._f.flush()
+        self.flush()
+
+    def _fill(self, f: h5py.File) -> None:
+        for key, value in self.attrs.items():
+            f.attrs[key] = value
+        self.history.to_group(f)
+        for name, (_, unit) in {**ROUND_COLUMNS, **LAYER_COLUMNS}.items():
+            f["rounds"][name].attrs["unit"] = unit
+        ev = f["eval"]
+        ev["client_accuracy"].attrs["unit"] = "fraction in [0, 1]"
+        ev["std"].attrs["unit"] = "percentage points"
+        ev["fair_angle"].attrs["unit"] = "radians"
+        ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
+        if self._model is not None:
+            w, layers = self._model
+            g = f.create_group("model")
+            g.create_dataset("global", data=np.asarray(w, dtype=np.float32))
+            g.create_dataset("layer_names", data=np.array([n for n, _, _ in layers], dtype="S"))
+            g.create_dataset("layer_start", data=np.array([s for _, s, _ in layers], dtype="i8"))
+            g.create_dataset("layer_stop", data=np.array([e for _, _, e in layers], dtype="i8"))
+
+    def flush(self) -> None:
+        """Replace the file with the current state (atomically; see the class docstring)."""
+        t0 = time.monotonic()
+        write_atomic(self.path, self._fill, "results file")
+        self._written = time.monotonic()
+        self._cost = self._written - t0
+        self._pending = False
+
+    def try_flush(self) -> None:
+        """After a failure elsewhere: write what is pending if the disk lets us, else keep the
+        previous file (never raises an OutputError)."""
+        if self._pending:
+            try:
+                self.flush()
+            except OutputError:
+                pass
 
     def append_round(self, row: dict[str, float | int], flush: bool = True) -> None:
-        """Append one /rounds row; every column of ROUND_COLUMNS and LAYER_COLUMNS must be present."""
+        """Append one /rounds row; every column of ROUND_COLUMNS and LAYER_COLUMNS must be present.
+
+        The file is rewritten when the round had an evaluation, or when :data:`FLUSH_SECONDS`
+        (at least 20 times the last write's duration) have passed since the last write: the
+        rewrite then costs a few percent of the run at most. Checkpoints and the end always
+        write (:meth:`set_last_round`, :meth:`finish`)."""
         self.history.add_round(row)
-        for name in self.history.rounds:
-            _append(self._f["rounds"][name], row[name])
-        if flush:
-            self._f.flush()
+        self._pending = True
+        due = time.monotonic() - self._written >= max(FLUSH_SECONDS, 20 * self._cost)
+        if flush and (self._eval_pending or due):
+            self._eval_pending = False
+            self.flush()
 
     def set_last_round(self, name: str, value: float) -> None:
         """Overwrite one column of the last /rounds row (a time known only after the row was
         written, e.g. the checkpoint's)."""
         self.history.rounds[name][-1] = value
-        self._f["rounds"][name][-1] = value
-        self._f.flush()
+        self.flush()
 
     def append_eval(self, round_done: int, accuracy: np.ndarray, loss: np.ndarray,
                     summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None,
@@ -255,40 +290,80 @@ class ResultsWriter:
         """Append one evaluation: (K,) accuracies and losses and their summary; ``personal``
         (accuracy (K,), loss (K,)) of the personal models when the run has them."""
         self.history.add_eval(round_done, accuracy, loss, summary, personal)
-        ev = self._f["eval"]
-        _append(ev["round"], round_done)
-        _append(ev["client_accuracy"], accuracy)
-        _append(ev["client_loss"], loss)
-        if self.history.personal_metrics:
-            _append(ev["personal_accuracy"], personal[0])
-            _append(ev["personal_loss"], personal[1])
-        for name in self.history.summary_keys:
-            _append(ev[name], summary[name])
+        self._pending = True
         if flush:
-            self._f.flush()
+            self._eval_pending = True  # written with the round's row (append_round)
 
     def finish(self, w: np.ndarray, layers: list[tuple[str, int, int]]) -> None:
-        """Write the final global model (float32) and layer map; mark the run complete."""
-        g = self._f.require_group("model")
-        g.create_dataset("global", data=np.asarray(w, dtype=np.float32))
-        g.create_dataset("layer_names", data=np.array([n for n, _, _ in layers], dtype="S"))
-        g.create_dataset("layer_start", data=np.array([s for _, s, _ in layers], dtype="i8"))
-        g.create_dataset("layer_stop", data=np.array([e for _, _, e in layers], dtype="i8"))
-        self._f.attrs["status"] = "complete"
-        self._f.flush()
+        """Write the final global model (float32) and layer map; mark the run complete.
+
+        Call after the final checkpoint: if this write fails, the run resumes from it.
+        """
+        self._model = (np.asarray(w, dtype=np.float32), list(layers))
+        self.attrs["status"] = "complete"
+        try:
+            self.flush()
+        except OutputError:
+            self._model, self.attrs["status"] = None, "running"
+            raise
 
     def close(self) -> None:
-        self._f.close()
+        """Nothing stays open between writes; kept for callers that close explicitly."""
 
 
-def _append(ds: h5py.Dataset, value: Any) -> None:
-    n = ds.shape[0]
-    ds.resize(n + 1, axis=0)
-    ds[n] = value
+#: /eval datasets that are fractions in [0, 1] (NaN allowed: no test data, or a diverged run).
+_FRACTIONS = ("client_accuracy", "personal_accuracy", "mean", "weighted_mean", "worst5", "best5",
+              "cf", "group/dp", "group/eo", "group/ap") + tuple(
+    f"personal/{k}" for k in ("mean", "weighted_mean", "worst5", "best5", "cf"))
+
+
+def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.ndarray]) -> None:
+    """Refuse values no run can produce (a damaged file that slipped through, e.g. an older
+    file without a checksum): fractions outside [0, 1], negative counts or times, rounds out of
+    order.
+
+    Raises:
+        OutputError: naming the dataset and the first bad value.
+    """
+    def bad(name: str, values: np.ndarray, ok: np.ndarray) -> None:
+        if not np.all(ok):
+            first = np.asarray(values)[~ok].ravel()[0]
+            raise OutputError(f"{path}: damaged results file: {name} holds an impossible value "
+                              f"({first!r})")
+
+    for name in _FRACTIONS:
+        if name in ev:
+            v = np.asarray(ev[name], dtype=np.float64)
+            bad(f"/eval/{name}", v, np.isnan(v) | ((v >= 0) & (v <= 1)))
+    for name in ("std", "personal/std", "client_loss", "personal_loss"):
+        if name in ev:
+            v = np.asarray(ev[name], dtype=np.float64)
+            bad(f"/eval/{name}", v, np.isnan(v) | (v >= 0))
+    if "fair_angle" in ev:
+        v = np.asarray(ev["fair_angle"], dtype=np.float64)
+        bad("/eval/fair_angle", v, np.isnan(v) | ((v >= 0) & (v <= np.pi + 1e-9)))
+    if "round" in rounds:
+        r = np.asarray(rounds["round"])
+        bad("/rounds/round", r, r == np.arange(len(r)))
+    for name, (dtype, _) in {**ROUND_COLUMNS, **LAYER_COLUMNS}.items():
+        if name in rounds and name not in ("round", "train_loss"):
+            v = np.asarray(rounds[name], dtype=np.float64)
+            bad(f"/rounds/{name}", v, np.isfinite(v) & (v >= 0) if dtype == "i8" or name == "lr"
+                else np.isnan(v) | (v >= 0))
+    if "round" in ev:
+        r = np.asarray(ev["round"])
+        n = len(rounds.get("round", ())) if "round" in rounds else None
+        ok = (r >= 1) & np.concatenate([[True], np.diff(r) > 0])
+        if n is not None:
+            ok &= r <= n
+        bad("/eval/round", r, ok)
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
     """Read a results file into plain numpy arrays (for ``mpifl report`` and analysis).
+
+    The file's SHA-256 is verified before HDF5 reads it (files written before checksums were
+    added are still read), and impossible values are refused (:func:`check_values`).
 
     Returns:
         ``{"path", "attrs", "config", "rounds": {col: (R,)}, "eval": {name: array}}``.
@@ -300,8 +375,9 @@ def read_results(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise OutputError(f"{path}: no such results file")
+    fileobj, _sealed = open_verified(path, "results file")
     try:
-        with h5py.File(path, "r") as f:
+        with fileobj, h5py.File(fileobj, "r") as f:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}
             if "schema_version" not in attrs or "rounds" not in f or "eval" not in f:
                 raise OutputError(f"{path}: not an mpifl results file")
@@ -314,12 +390,18 @@ def read_results(path: str | Path) -> dict[str, Any]:
             ev = {k: f["eval"][k][()] for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
             for sub in ("group", "personal"):
                 ev.update({f"{sub}/{k}": f["eval"][sub][k][()] for k in f["eval"].get(sub, {})})
-    except OSError as exc:
-        raise OutputError(f"{path}: cannot read as HDF5 ({exc})") from None
+    except OutputError:
+        raise
+    except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ... on damage
+        first = (str(exc).splitlines() or [""])[0]
+        raise OutputError(f"{path}: cannot read as HDF5 ({type(exc).__name__}: {first})") from None
+    if not isinstance(attrs.get("config", "{}"), str):
+        raise OutputError(f"{path}: damaged results file (config is not text)")
     try:
         config = json.loads(attrs.get("config", "{}"))
     except ValueError:
         raise OutputError(f"{path}: stored config is not valid JSON") from None
+    check_values(path, rounds, ev)
     return {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev}
 
 
