@@ -139,3 +139,14 @@ def test_algorithm_without_its_client_side_training_is_refused_up_front(tmp_path
     assert len(err) == 1 and ("'needs_missing_training' needs local training that mpifl's "
                               "trainer does not have yet (no_such_trainer_option)") in err[0]
     assert not out.exists()
+
+
+def test_config_stored_before_the_layers_still_loads_and_resumes():
+    """A config JSON written by mpifl before the layer folders and per-rule Params (commit
+    fc06367: the main job) is read back as the same experiment: a results file or checkpoint of
+    that version can be reported and resumed."""
+    from mpifl.experiment.config import config_diff, config_from_json
+
+    old = config_from_json((ROOT / "tests" / "data" / "config_before_layers.json").read_text())
+    assert config_diff(old, load_config(MAIN_JOB)) == []
+    assert old.plugins.modules == [] and old.fedmeta.weighting == "samples"  # new keys: defaults
