@@ -45,9 +45,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mpifl.experiment.config import load_config
 
     cfg = load_config(args.config, args.set)  # validated before any rank does work
-    from mpifl.experiment.run import run_experiment
+    from mpifl.experiment.run import default_out, run_experiment
 
-    out = Path(args.out) if args.out else Path("runs") / f"{cfg.run.name}.h5"
+    out = Path(args.out) if args.out else default_out(cfg.run.name)
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     return run_experiment(cfg, out, mode=mode, progress=not args.no_progress)
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except MpiflError as exc:
         if _env_rank() == 0:
-            print(f"mpifl: error: {exc}", file=sys.stderr)
+            print("mpifl: error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
         return 2
     except KeyboardInterrupt:
         print("mpifl: interrupted", file=sys.stderr)

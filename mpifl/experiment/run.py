@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -19,6 +20,7 @@ import torch
 
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError, MpiflError, OutputError
+from mpifl.core.locking import RunLock
 from mpifl.experiment.assemble import (build_parts, device_for, make_trainer, meta_step_for,
                                        trainer_columns, uses_meta_step)
 from mpifl.experiment.config import Config, config_diff, config_from_json
@@ -33,6 +35,9 @@ from mpifl.store.results import ResultsWriter, preflight, read_results
 log = logging.getLogger("mpifl")
 T = TypeVar("T")
 
+#: Exit status of every rank when a rank failed (the same as a user error: one line, status 2).
+EXIT_FAILED = 2
+
 
 @dataclass
 class Start:
@@ -44,15 +49,22 @@ class Start:
 
 
 def agree(comm, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised :class:`MpiflError` anywhere, raise it everywhere.
+    """Run ``fn`` on every rank; if it raised anywhere, raise :class:`MpiflError` everywhere.
 
-    Setup only (the error strings travel as small Python objects): the hot path never uses it.
+    Any exception counts, not only mpifl's own: a rank that fails with anything while the
+    others wait in this collective would otherwise leave them waiting forever. An unexpected
+    exception becomes a one-line message naming its type (its traceback is logged at debug
+    level, ``mpifl -v``). Setup only (the error strings travel as small Python objects): the
+    hot path never uses it.
     """
     error, result = None, None
     try:
         result = fn()
     except MpiflError as exc:
         error = str(exc)
+    except Exception as exc:  # noqa: BLE001 -- every rank must hear of it
+        error = one_line(exc)
+        log.debug("setup failed", exc_info=True)
     if comm is not None and comm.Get_size() > 1:
         errors = comm.allgather(error)
         error = next((e for e in errors if e), None)
@@ -61,57 +73,123 @@ def agree(comm, fn: Callable[[], T]) -> T:
     return result
 
 
+def one_line(exc: BaseException) -> str:
+    """A failure as one line: mpifl's own message, or the exception's type and first line."""
+    if isinstance(exc, MpiflError):
+        return str(exc)
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def default_out(name: str) -> Path:
+    """The default results path ``runs/<run.name>.h5``; ``run.name`` must be a plain name.
+
+    Raises:
+        ConfigError: a name with a path separator, ``..`` or an absolute path (it would write
+            outside the runs folder).
+    """
+    if (not name or "/" in name or "\\" in name or "\0" in name or name in (".", "..")
+            or Path(name).is_absolute()):
+        raise ConfigError(f"run.name = {name!r}: not a plain file name (no '/', '..' or absolute "
+                          "path), so it cannot name runs/<run.name>.h5; pass --out PATH instead")
+    return Path("runs") / f"{name}.h5"
+
+
 def plan_start(cfg: Config | None, out: Path, mode: str, rounds: int | None = None) -> Start:
-    """Rank 0: how the run at ``out`` starts.
+    """Rank 0: how the run at ``out`` starts. Reads only: nothing is deleted or truncated here
+    except a replaced run's checkpoints (``overwrite``), so a refusal leaves every file as it was.
+    Call it holding the run lock (:class:`mpifl.core.locking.RunLock`).
 
     Args:
         cfg: the requested config, or None to take the stored one (``mpifl resume``).
         mode: ``new`` (refuse to replace anything), ``overwrite`` (delete the old results and
             checkpoints) or ``resume`` (continue from the newest valid checkpoint; start at
-            round 0 when there is none yet).
+            round 0 only when the run has no completed round yet).
         rounds: with ``cfg=None``, a new ``run.rounds`` (to extend a finished run).
 
     Raises:
-        OutputError: existing results without --overwrite/--resume, damaged files, no config.
+        OutputError: existing results without --overwrite/--resume, damaged files, no config,
+            completed rounds but no checkpoint to continue from, a checkpoint of another run.
         ConfigError: resuming with a changed config (the differences are listed).
     """
     folder = checkpoint.folder_for(out)
+    if rounds is not None and rounds < 1:
+        raise ConfigError(f"--rounds {rounds}: must be at least 1")
     if mode == "resume":
         ckpt = checkpoint.load_latest(folder)
-        if ckpt is None and cfg is not None:  # nothing to continue yet: start at round 0
-            if _complete(out):
-                raise OutputError(f"{out} is complete but has no checkpoint to continue from; "
-                                  "pass --overwrite to run it again")
-            log.info("no checkpoint of %s yet: starting at round 0", out)
-            preflight(out)
-            return Start(cfg)
-        stored = config_from_json(ckpt.config_json if ckpt else _results_config(out))
+        if ckpt is None:
+            return _start_without_checkpoint(cfg, out, folder, rounds)
+        stored = config_from_json(ckpt.config_json)
+        if (own := _results_config(out)) is not None:
+            if diffs := config_diff(config_from_json(own), stored):
+                raise OutputError(f"{ckpt.path} belongs to another run than {out}: "
+                                  + "; ".join(diffs))
         if rounds is not None:
-            stored = type(stored).model_validate({**stored.model_dump(), "run": {
-                **stored.run.model_dump(), "rounds": rounds}})
+            stored = _with_rounds(stored, rounds)
         if cfg is None:
             cfg = stored
         elif diffs := config_diff(stored, cfg):
             raise ConfigError(f"cannot resume {out} with a changed config: " + "; ".join(diffs))
-        if ckpt is not None and ckpt.round > cfg.run.rounds:
+        if ckpt.round > cfg.run.rounds:
             raise ConfigError(f"run.rounds: {cfg.run.rounds} is less than the {ckpt.round} rounds "
                               f"already run in {out}")
-        done = ckpt is not None and ckpt.round == cfg.run.rounds and _complete(out)
+        done = ckpt.round == cfg.run.rounds and _complete(out)
         preflight(out)
         return Start(cfg, ckpt, done)
     if out.exists() or folder.exists():
         if mode != "overwrite":
             raise OutputError(f"--out {out}: already exists; pass --resume to continue it or "
                               "--overwrite to replace it")
-        shutil.rmtree(folder, ignore_errors=True)
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+        elif folder.exists() or folder.is_symlink():
+            folder.unlink()
     preflight(out)
     return Start(cfg)
 
 
-def _results_config(out: Path) -> str:
+def _start_without_checkpoint(cfg: Config | None, out: Path, folder: Path,
+                              rounds: int | None) -> Start:
+    """Resume with no checkpoint: start at round 0 only if no completed round would be lost."""
     if not out.exists():
-        raise OutputError(f"{out}: no such run to resume (no results file, no checkpoint)")
-    return read_results(out)["attrs"]["config"]
+        if cfg is None:
+            raise OutputError(f"{out}: no such run to resume (no results file, no checkpoint)")
+        log.info("no checkpoint of %s yet: starting at round 0", out)
+        preflight(out)
+        return Start(cfg)
+    res = read_results(out)  # a damaged file: refused (nothing to continue from, nothing lost)
+    done = len(res["rounds"].get("round", ()))
+    if done or res["attrs"].get("status") == "complete":
+        where = "is not a folder" if folder.exists() else "is missing"
+        raise OutputError(f"{out} has {done} completed round(s) but no checkpoint to continue "
+                          f"from ({folder} {where}); pass --overwrite to run it again")
+    stored = config_from_json(res["attrs"]["config"])
+    if rounds is not None:
+        stored = _with_rounds(stored, rounds)
+    if cfg is None:
+        cfg = stored
+    elif diffs := config_diff(stored, cfg):
+        raise ConfigError(f"cannot resume {out} with a changed config: " + "; ".join(diffs))
+    log.info("no checkpoint of %s yet and no completed round: starting at round 0", out)
+    preflight(out)
+    return Start(cfg)
+
+
+def _with_rounds(cfg: Config, rounds: int) -> Config:
+    try:
+        return type(cfg).model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(),
+                                                                  "rounds": rounds}})
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise ConfigError(f"--rounds {rounds}: {one_line(exc)}") from None
+
+
+def _results_config(out: Path) -> str | None:
+    """The config stored in the results file, or None when it is missing or unreadable (a
+    checkpoint holds the whole history, so resuming rebuilds it)."""
+    try:
+        return read_results(out)["attrs"]["config"]
+    except (OutputError, KeyError):
+        return None
 
 
 def _complete(out: Path) -> bool:
@@ -119,6 +197,22 @@ def _complete(out: Path) -> bool:
         return read_results(out)["attrs"].get("status") == "complete"
     except OutputError:
         return False
+
+
+def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
+                 rounds: int | None) -> Start:
+    """Take the run lock (before anything is opened for writing), then plan the start."""
+    if mode == "resume" and not out.parent.is_dir():
+        raise OutputError(f"{out}: no such run to resume (no folder {out.parent})")
+    if mode != "resume" and not out.parent.is_dir():
+        if out.parent.exists():
+            raise OutputError(f"--out {out}: cannot write there (not a folder: {out.parent})")
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"--out {out}: cannot write there ({exc.strerror})") from None
+    lock.acquire()
+    return plan_start(cfg, out, mode, rounds)
 
 
 def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: int | None = None,
@@ -142,7 +236,15 @@ def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: 
     size = comm.Get_size() if comm is not None else 1
     rank = comm.Get_rank() if comm is not None else 0
     stop = StopRequest().install()
-    start = agree(comm, lambda: plan_start(cfg, out, mode, rounds) if rank == 0 else None)
+    lock = RunLock(out)
+    try:
+        return _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop)
+    finally:
+        lock.release()
+
+
+def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
+    start = agree(comm, lambda: _plan_locked(lock, cfg, out, mode, rounds) if rank == 0 else None)
     if size > 1:  # workers take the config rank 0 settled on
         text = bcast_text(comm, start.cfg.to_json() if rank == 0 else None)
         cfg = start.cfg if rank == 0 else config_from_json(text)
@@ -154,24 +256,52 @@ def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: 
         return 0
     device = agree(comm, lambda: device_for(cfg, rank))
     parts = agree(comm, lambda: build_parts(cfg))
+    trainer = agree(comm, lambda: make_trainer(cfg, parts, device) if rank > 0 or size == 1
+                    else None)
     if rank == 0:
         log.info("%s: %s, %d clients (%d per round), d=%d, %s, %d rank(s)%s", cfg.run.name,
                  cfg.data.dataset, parts.fed.num_clients, cfg.server.clients_per_round,
                  parts.layout.d, cfg.server.algorithm, size,
                  f", resuming after round {start.ckpt.round}" if start.ckpt else "")
     if size == 1:
-        clients = LocalClients(make_trainer(cfg, parts, device), parts.fed, device)
-        return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
+        clients = LocalClients(trainer, parts.fed, device)
+        try:
+            return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
+        except MpiflError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
+            log.debug("run failed", exc_info=True)
+            raise MpiflError(one_line(exc)) from None
     transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts))
     try:
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)
             return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
-        return serve(transport, make_trainer(cfg, parts, device), parts.fed, device)
-    except BaseException:
-        log.exception("rank %d failed; aborting the job", rank)
-        transport.abort(1)
+        return serve(transport, trainer, parts.fed, device)
+    except BaseException as exc:
+        _end_all_ranks(transport, rank, exc)
         raise
+
+
+def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException) -> None:
+    """A rank failed during the rounds: end every rank in bounded time.
+
+    Rank 0 failing between requests (a results or checkpoint write, aggregation) sends STOP
+    with status 2, so the workers leave their loop cleanly and every rank exits 2 with rank 0's
+    one-line message. Anywhere else (a worker, or rank 0 inside a collective) the failing rank
+    prints its one line and calls MPI_Abort, which ends the whole job within seconds.
+    """
+    line = one_line(exc)
+    if not isinstance(exc, (MpiflError, KeyboardInterrupt)):
+        log.debug("rank %d failed", rank, exc_info=True)
+    if rank == 0 and not transport.busy and isinstance(exc, Exception):
+        transport.stop(EXIT_FAILED)
+        if not isinstance(exc, MpiflError):
+            raise MpiflError(line) from None
+        return
+    print(f"mpifl: error: rank {rank}: {line}; ending every rank of the job", file=sys.stderr,
+          flush=True)
+    transport.abort(EXIT_FAILED)
 
 
 def _all(comm, flag: bool | None) -> bool:
@@ -210,6 +340,9 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
             writer.finish(w.detach().cpu().numpy(), layers)
         code = 0 if finished else EXIT_CHECKPOINTED
         clients.stop(code)  # only on success: after a failure the job is aborted instead
+    except BaseException:
+        writer.try_flush()  # keep every row computed so far, if the disk allows
+        raise
     finally:
         writer.close()
     log.info("results written to %s%s", out, "" if finished else " (stopped early; resume to continue)")

@@ -46,6 +46,22 @@ STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
 HEADER_LEN = 5
 
 
+def _request(method):
+    """Rank 0's request methods: ``busy`` while a request's collectives are under way, so that
+    after a failure rank 0 knows whether the workers are waiting for the next header (then a
+    STOP releases them cleanly) or are inside a collective (then only MPI_Abort ends them)."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        self.busy = True
+        out = method(self, *args, **kwargs)
+        self.busy = False  # left True when the request raised
+        return out
+
+    return wrapped
+
+
 def wait_idle(request, max_sleep: float = 2e-4) -> None:
     """Complete an MPI request without holding a core while it is pending.
 
@@ -175,6 +191,7 @@ class MPITransport:
         self._w = np.empty(d, dtype=np.float32)
         self._inputs = np.zeros(columns.inputs, dtype=np.float64)
         self._updates = np.empty((0, d), dtype=np.float32)  # grown on demand, reused
+        self.busy = False  # rank 0: inside a request (see _request)
 
     # -- helpers ---------------------------------------------------------------------------
     def _bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
@@ -227,6 +244,7 @@ class MPITransport:
         return ids
 
     # -- server side -----------------------------------------------------------------------
+    @_request
     def request_train(self, rnd: int, lr: float, client_ids: np.ndarray, w: np.ndarray,
                       bounds: np.ndarray, inputs: np.ndarray | None = None,
                       state: np.ndarray | None = None) -> TrainReply:
@@ -266,6 +284,7 @@ class MPITransport:
         return TrainReply(updates, losses, stats, ranks[:, 0], ranks[:, 1], sent + received,
                           t_bcast)
 
+    @_request
     def request_losses(self, client_ids: np.ndarray, w: np.ndarray, bounds: np.ndarray
                        ) -> tuple[np.ndarray, int]:
         """Rank 0: the clients' mean training losses at ``w`` (evaluation only, no training).
@@ -282,6 +301,7 @@ class MPITransport:
         self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
         return losses, self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes) + losses.nbytes
 
+    @_request
     def request_eval(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
                      personal: np.ndarray | None = None) -> EvalReply:
         """Rank 0: evaluate all K clients on the workers.

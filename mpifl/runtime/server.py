@@ -98,12 +98,15 @@ class Server:
             if eval_due(rnd, rounds, self.cfg.run.eval_every):
                 row["time_eval"], summary = self._evaluate(rnd, w)
                 bar.set_postfix(acc=f"{summary['mean']:.3f}", worst5=f"{summary['worst5']:.3f}")
-            self.writer.append_round(row)
             stopping = self.stop is not None and self.stop.requested
-            if stopping or rnd + 1 == rounds or (every and (rnd + 1) % every == 0):
+            due = stopping or rnd + 1 == rounds or (every and (rnd + 1) % every == 0)
+            self.writer.append_round(row, flush=not due)  # a checkpoint round writes below
+            if due:  # the checkpoint first: if the results write then fails, it has the round
                 t0 = time.perf_counter()
                 if self.checkpoint(rnd + 1, w):
                     self.writer.set_last_round("time_checkpoint", time.perf_counter() - t0)
+                else:
+                    self.writer.flush()
             if stopping and rnd + 1 < rounds:
                 log.warning("stop requested (%s): checkpointed after round %d of %d",
                             self.stop.reason, rnd + 1, rounds)

@@ -1,4 +1,5 @@
-"""Stop requests: SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption).
+"""Stop requests: SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption), and
+SIGINT (Ctrl-C), which takes the same path: a second SIGINT interrupts at once.
 
 Every rank installs the handler, so no rank dies mid-collective; only rank 0 acts on it: it
 finishes the current round, writes a checkpoint, releases the workers and every rank exits with
@@ -24,11 +25,13 @@ class StopRequest:
         return self.reason is not None
 
     def install(self) -> "StopRequest":
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.reason == "SIGINT":
+            raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait
         # keep the first: under srun a requeue sends SIGTERM to the ranks and the sweep job
         # forwards SIGUSR1 as well, and the log should name what started the stop
         if self.reason is None:
