@@ -16,7 +16,8 @@ from pathlib import Path
 from mpifl import __version__
 from mpifl.runtime.allocator import keep_large_blocks
 from mpifl.core.errors import MpiflError
-from mpifl.sweep.sweep import add_sweep_parser, report_sweep
+from mpifl.sweep.cli import add_sweep_parser
+from mpifl.sweep.report import report_sweep
 
 
 def _env_rank() -> int:

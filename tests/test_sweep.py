@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,10 @@ import pytest
 
 from mpifl.cli import main
 from mpifl.core.errors import ConfigError
-from mpifl.sweep.sweep import MpiRun, check, load_sweep, select
+from mpifl.sweep.job import MpiRun
+from mpifl.sweep.launch import LAUNCHERS, LocalLauncher, SlurmLauncher, choose
+from mpifl.sweep.plan import check, grid_points, results_path, select
+from mpifl.sweep.spec import load_sweep
 from tests.helpers import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +89,7 @@ def mpifl(*args: str, code: int = 0) -> subprocess.CompletedProcess:
 
 def test_smoke_sweep_expands_to_four_two_rank_runs():
     sweep = load_sweep(ROOT / "jobs" / "sweep-smoke.toml")
-    points = sweep.points()
+    points = grid_points(sweep)
     assert sweep.ranks == 2
     assert [p.id for p in points] == ["fedavg_seed0", "fedavg_seed1",
                                       "fedfv_alpha0.1_tau1_seed0", "fedfv_alpha0.1_tau1_seed1"]
@@ -100,7 +104,7 @@ def test_smoke_sweep_expands_to_four_two_rank_runs():
 
 def test_table2_sweep_expands_and_every_point_is_valid():
     sweep = load_sweep(ROOT / "jobs" / "sweep-fedfv-table2.toml")
-    points = sweep.points()
+    points = grid_points(sweep)
     per_algo: dict[str, int] = {}
     for p in points:
         per_algo[p.params["server.algorithm"]] = per_algo.get(p.params["server.algorithm"], 0) + 1
@@ -120,7 +124,7 @@ def test_table2_sweep_expands_and_every_point_is_valid():
 @pytest.mark.parametrize("name", ["sweep-fedfv-table1.toml", "sweep-fedlf-baselines.toml"])
 def test_baseline_grids_expand_to_valid_runs(name):
     sweep = load_sweep(ROOT / "jobs" / name)
-    points = sweep.points()
+    points = grid_points(sweep)
     assert len({p.id for p in points}) == len(points) > 50
     for p in points:
         assert check(sweep, p)[1] is None, p.id
@@ -128,10 +132,10 @@ def test_baseline_grids_expand_to_valid_runs(name):
 
 def test_only_selects_points(tmp_path):
     sweep = load_sweep(write_sweep(tmp_path))
-    chosen = select(sweep.points(), ["server.algorithm=fedfv", "run.seed=1"])
+    chosen = select(grid_points(sweep), ["server.algorithm=fedfv", "run.seed=1"])
     assert [p.id for p in chosen] == ["fedfv_alpha0.2_seed1"]
     with pytest.raises(ConfigError, match="does not vary"):
-        select(sweep.points(), ["client.lr=0.1"])
+        select(grid_points(sweep), ["client.lr=0.1"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,7 +190,7 @@ def local_sweep(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sweep")
     path = write_sweep(folder)
     out = folder / "out"
-    point = load_sweep(path).points()[0]
+    point = grid_points(load_sweep(path))[0]
     assert point.id == "fedavg_seed0"
     sets = [x for o in point.overrides for x in ("--set", o)]
     mpifl("run", str(folder / "base.toml"), "--out", str(out / "runs" / "fedavg_seed0.h5"),
@@ -303,3 +307,57 @@ def test_a_failed_launch_is_tried_again_but_not_bad_input(tmp_path):
     with pytest.raises(RuntimeError, match="exited with status 1"):
         always()
     assert (tmp_path / "m").read_text() == "x\n" * 3
+
+
+# ----------------------------------------------------------------------------------------------
+# A damaged index and names that lead out of the sweep folder: one line, exit 2, nothing written
+
+@pytest.mark.parametrize("text", ["[]", '{"runs": []}', '{"runs": {"a": 3}}', '{"sweep": "x"}',
+                                  '{"runs": {"a": {"params": {}}}}'])
+def test_malformed_index_is_one_line_and_exit_2(tmp_path, capsys, text):
+    path = write_sweep(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "index.json").write_text(text)
+    for argv in (["sweep", str(path), "--out", str(out), "--dry-run"],
+                 ["sweep", str(path), "--out", str(out), "--executor", "local"],
+                 ["report", str(out)]):
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == 2, argv
+        assert err.startswith("mpifl: error: ") and "\n" not in err, err
+        assert "not a sweep index" in err, err
+    assert (out / "index.json").read_text() == text and not (out / "runs").exists()
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "ABSOLUTE", "a/b", ".."])
+def test_sweep_name_that_leaves_the_sweeps_folder_is_refused(tmp_path, monkeypatch, capsys, name):
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    name = str(tmp_path / "escaped") if name == "ABSOLUTE" else name
+    # an algorithm this mpifl lacks: without the check the sweep made its folder, then stopped
+    text = f'[sweep]\nname = "{name}"\nbase = "base.toml"\n[algorithms.fedbn]\n'
+    path = write_sweep(tmp_path / "files", text)
+    code = main(["sweep", str(path), "--executor", "local"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("mpifl: error: ") and "\n" not in err, err
+    assert "sweep.name" in err and "not a plain folder name" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["files", "work"]
+    assert list(work.iterdir()) == []
+
+
+def test_run_ids_stay_inside_the_runs_folder(tmp_path):
+    text = ('[sweep]\nbase = "base.toml"\n[grid]\n"run.name" = ["../../x", "/abs/y"]\n'
+            '"client.lr" = [0.1]\n')
+    for p in grid_points(load_sweep(write_sweep(tmp_path, text))):
+        out = (tmp_path / "out" / results_path(p.id)).resolve()
+        assert out.parent == (tmp_path / "out" / "runs").resolve(), p.id
+
+
+def test_auto_takes_the_launcher_that_fits_this_machine_best():
+    best = choose("auto")
+    assert best.affinity() == max(c.affinity() for c in LAUNCHERS.values()) > 0
+    assert (best is SlurmLauncher) == (shutil.which("sbatch") is not None)
+    assert choose("local") is LocalLauncher and LocalLauncher.blocks and not SlurmLauncher.blocks

@@ -3,9 +3,14 @@ through submitit, the job that runs on the nodes, and sweep reports.
 
 May import: every folder below it.  Never imports: bench, cli.
 
+One job per module: ``spec`` reads and checks the sweep file, ``plan`` expands it into runs
+(ids, output paths, the index), ``status`` reads each run's status from disk, ``launch/`` starts
+the runs (``local``, ``slurm``), ``job`` is :class:`MpiRun` (what runs on the nodes),
+``report`` makes the tables and plots, ``cli`` is ``mpifl sweep``.
+
 ``mpifl.sweep.MpiRun`` stays importable here: queued submitit jobs pickle it by this path.
 """
 
-from mpifl.sweep.sweep import MpiRun
+from mpifl.sweep.job import MpiRun
 
 __all__ = ["MpiRun"]

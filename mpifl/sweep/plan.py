@@ -1,0 +1,216 @@
+"""The plan of a sweep: its grid points, their run ids and output paths, each run's status from
+what is on disk, and the index ``DIR/index.json`` that records them.
+
+Nothing here starts a job or asks SLURM: the live job states come in as an argument (see
+:func:`mpifl.sweep.launch.slurm.slurm_states`), so one plan serves every launcher.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mpifl.core.errors import ConfigError, OutputError
+from mpifl.experiment.config import parse_override, read_toml
+from mpifl.sweep.spec import Sweep, plain_name
+
+INDEX = "index.json"
+RUNS = "runs"  # the folder of the results files (and their checkpoints), in the sweep folder
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Point:
+    """One run of a sweep.
+
+    Attributes:
+        id: file-name-safe run id built from the varied values, e.g. ``fedfv_alpha0.1_seed0``.
+        params: the varied keys of this run (``"section.key" -> value``), algorithm first.
+        overrides: every ``--set`` of the run: the sweep's fixed ones, then ``params``.
+    """
+
+    id: str
+    params: dict[str, Any]
+    overrides: tuple[str, ...]
+
+
+def grid_points(sweep: Sweep) -> list[Point]:
+    """Expand the grid: every algorithm's axes times the shared grid, in file order.
+
+    Raises:
+        ConfigError: two points would get the same run id.
+    """
+    algos = sweep.algorithms or {None: {}}
+    points = []
+    for algo, axes in algos.items():
+        head = {"server.algorithm": algo} if algo is not None else {}
+        for values in _product({**axes, **sweep.grid}):
+            params = {**head, **values}
+            sets = {**sweep.fixed, **params}
+            points.append(Point(run_id(params), params,
+                                tuple(f"{k}={toml_value(v)}" for k, v in sets.items())))
+    _check_unique(points)
+    return points
+
+
+def _product(axes: dict[str, list]) -> list[dict[str, Any]]:
+    keys = list(axes)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def toml_value(v: Any) -> str:
+    """A value as TOML text for ``--set`` (strings, numbers, booleans, lists of them)."""
+    if isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", v) and v not in (
+            "true", "false", "inf", "nan"):
+        return v  # a bare word is a string for --set
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return json.dumps(v)
+
+
+def run_id(params: dict[str, Any]) -> str:
+    """The run's file name stem: its varied values, characters outside ``[A-Za-z0-9._+-]``
+    replaced, so that the id is one path component under ``runs/``."""
+    parts = []
+    for key, v in params.items():
+        text = "-".join(map(str, v)) if isinstance(v, list) else str(v)
+        parts.append(text if key == "server.algorithm" else key.split(".")[1] + text)
+    rid = re.sub(r"[^A-Za-z0-9._+-]+", "-", "_".join(parts))
+    return rid if plain_name(rid) else "run"
+
+
+def results_path(rid: str) -> str:
+    """Where run ``rid`` writes, relative to the sweep folder."""
+    return f"{RUNS}/{rid}.h5"
+
+
+def _check_unique(points: list[Point]) -> None:
+    seen: dict[str, Point] = {}
+    for p in points:
+        if p.id in seen:
+            raise ConfigError(f"sweep file: runs {seen[p.id].params} and {p.params} get the same "
+                              f"id '{p.id}'; make their values distinct")
+        seen[p.id] = p
+
+
+def select(points: list[Point], only: list[str]) -> list[Point]:
+    """The points matching every ``--only section.key=value`` (several values of a key: any).
+
+    Raises:
+        ConfigError: a malformed filter, or a key that the sweep does not vary.
+    """
+    wanted: dict[str, list] = {}
+    for text in only:
+        (section, key), value = parse_override(text)
+        wanted.setdefault(f"{section}.{key}", []).append(value)
+    for key in wanted:
+        if points and all(key not in p.params for p in points):
+            raise ConfigError(f"--only {key}: the sweep does not vary this key")
+    return [p for p in points if all(p.params.get(k, _MISSING) in vs for k, vs in wanted.items())]
+
+
+@dataclass
+class RunState:
+    """What the index knows about one run (one entry of ``DIR/index.json``)."""
+
+    id: str
+    params: dict[str, Any]
+    overrides: list[str]
+    results: str  # relative to the sweep folder
+    status: str = "new"  # new | queued | running | unfinished | failed | complete | invalid
+    config: dict | None = None
+    job_id: str | None = None
+    log: str | None = None
+    error: str | None = None
+
+
+def check(sweep: Sweep, point: Point) -> tuple[dict | None, str | None]:
+    """Validate one run's config: ``(config as a dict, None)`` or ``(None, one-line reason)``.
+
+    An algorithm that this mpifl does not implement is reported (not raised), so that sweeps
+    naming future algorithms still expand.
+    """
+    from mpifl.aggregators import available
+    from mpifl.experiment.config import load_config
+
+    algo = point.params.get("server.algorithm") or _base_algorithm(sweep)
+    if algo not in available():
+        return None, (f"algorithm '{algo}' is not implemented in this mpifl "
+                      f"(known: {', '.join(available())})")
+    try:
+        return json.loads(load_config(sweep.base, list(point.overrides)).to_json()), None
+    except ConfigError as exc:
+        return None, str(exc)
+
+
+def _base_algorithm(sweep: Sweep) -> str:
+    fixed = sweep.fixed.get("server.algorithm")
+    if fixed is not None:
+        return str(fixed)
+    return str(read_toml(sweep.base).get("server", {}).get("algorithm", "fedavg"))
+
+
+def states(sweep: Sweep, folder: Path, points: list[Point]) -> dict[str, RunState]:
+    """Every point's state before its status is known: its config (or why it is invalid), and
+    the job id, log and error the index kept from earlier launches."""
+    old = read_index(folder)["runs"]
+    runs = {}
+    for p in points:
+        prev = old.get(p.id, {})
+        r = RunState(p.id, p.params, list(p.overrides), results_path(p.id),
+                     job_id=prev.get("job_id"), log=prev.get("log"), error=prev.get("error"))
+        r.config, reason = check(sweep, p)
+        if reason:
+            r.status, r.error = "invalid", reason
+        runs[p.id] = r
+    return runs
+
+
+def read_index(folder: Path) -> dict[str, Any]:
+    """``DIR/index.json`` as a dict (``{"runs": {}}`` when there is none yet).
+
+    Raises:
+        OutputError: the file exists but is not valid JSON, or not an index (a JSON object
+            whose "runs" maps run ids to objects with their "results" and "params").
+    """
+    path = folder / INDEX
+    if not path.exists():
+        return {"runs": {}}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise OutputError(f"{path}: cannot read the sweep index ({exc})") from None
+    runs = data.get("runs") if isinstance(data, dict) else None
+    if not isinstance(runs, dict) or not all(
+            isinstance(r, dict) and isinstance(r.get("results"), str)
+            and isinstance(r.get("params"), dict) for r in runs.values()):
+        raise OutputError(f"{path}: not a sweep index (expected an object with \"runs\": "
+                          "{id: {\"results\": ..., \"params\": ...}}); move it away or use "
+                          "another --out folder")
+    return data
+
+
+def write_index(folder: Path, sweep: Sweep, runs: dict[str, RunState]) -> None:
+    """Write ``DIR/index.json`` atomically: sweep file, base, ranks and every run's state.
+    Runs already in the index but not in ``runs`` (left out by ``--only``) are kept."""
+    merged = {**read_index(folder)["runs"], **{rid: vars(r) for rid, r in runs.items()}}
+    data = {"sweep": sweep.name, "sweep_file": str(sweep.path), "base": str(sweep.base),
+            "ranks": sweep.ranks, "updated": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": merged}
+    tmp = folder / f".{INDEX}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, folder / INDEX)
+
+
+def count_statuses(statuses) -> str:
+    """``"2 complete, 1 new"``: how many runs are in each status, for one log line."""
+    counts: dict[str, int] = {}
+    for s in statuses:
+        counts[s] = counts.get(s, 0) + 1
+    return ", ".join(f"{n} {s.lower()}" for s, n in sorted(counts.items()))
