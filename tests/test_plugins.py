@@ -258,6 +258,16 @@ def test_example_runs_under_mpi_resumes_and_matches_one_process(outside, tmp_pat
     assert acc[-1] > 0.5  # it learns (8 classes: chance is 0.125)
 
 
+def test_sweep_of_only_a_plugin_rule_expands(outside, tmp_path):
+    """The sweep loads the job's plugins before it checks the algorithm names (no other rule
+    has to come first)."""
+    text = (outside / "sweep.toml").read_text().replace("[algorithms.fedavg]\n", "")
+    (outside / "only-plugin.toml").write_text(text)
+    res = _cli(["sweep", "only-plugin.toml", "--dry-run", "--out", str(tmp_path / "sw")], outside)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "4 runs: 4 new" in res.stdout and "not implemented" not in res.stdout
+
+
 def test_example_sweeps_and_benchmarks(outside, tmp_path):
     res = _cli(["sweep", "sweep.toml", "--executor", "local", "--out", str(tmp_path / "sw")],
                outside, timeout=600)

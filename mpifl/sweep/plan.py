@@ -141,12 +141,12 @@ def check(sweep: Sweep, point: Point) -> tuple[dict | None, str | None]:
     from mpifl.experiment.config import load_config
 
     algo = point.params.get("server.algorithm") or _base_algorithm(sweep)
-    if algo not in available():
-        return None, (f"algorithm '{algo}' is not implemented in this mpifl "
-                      f"(known: {', '.join(available())})")
-    try:
+    try:  # loading imports the job's [plugins] first, so plugin rules are known below
         return json.loads(load_config(sweep.base, list(point.overrides)).to_json()), None
     except ConfigError as exc:
+        if algo not in available():
+            return None, (f"algorithm '{algo}' is not implemented in this mpifl "
+                          f"(known: {', '.join(available())})")
         return None, str(exc)
 
 
