@@ -361,3 +361,16 @@ def test_auto_takes_the_launcher_that_fits_this_machine_best():
     assert best.affinity() == max(c.affinity() for c in LAUNCHERS.values()) > 0
     assert (best is SlurmLauncher) == (shutil.which("sbatch") is not None)
     assert choose("local") is LocalLauncher and LocalLauncher.blocks and not SlurmLauncher.blocks
+
+
+def test_a_job_pickled_under_the_old_module_path_still_loads():
+    """Submitit jobs queued by mpifl before the sweep/ folder pickled MpiRun as
+    ``mpifl.sweep.MpiRun``: such a pickle must still load into today's class."""
+    import pickle
+
+    run = MpiRun("old", ["true"], "runs/x.h5", {}, slurm=False)
+    data = pickle.dumps(run, protocol=0)  # text opcodes: the class is "c<module>\n<name>\n"
+    old = data.replace(b"cmpifl.sweep.job\nMpiRun\n", b"cmpifl.sweep\nMpiRun\n")
+    assert old != data and b"mpifl.sweep.job" not in old
+    back = pickle.loads(old)
+    assert type(back) is MpiRun and vars(back) == vars(run)
