@@ -110,7 +110,8 @@ def open_verified(path: Path, what: str) -> tuple[BinaryIO, bool]:
             f.seek(0)
             return f, False
         if head[USERBLOCK:] != HDF5_SIGNATURE and not head.startswith(MAGIC):
-            raise OutputError(f"{path}: not an HDF5 file (not an mpifl {what})")
+            raise OutputError(f"{path}: cannot read as HDF5 (not an HDF5 file, so not an "
+                              f"mpifl {what})")
         m = _SEAL.match(head[:USERBLOCK])
         if m is None:
             raise OutputError(f"{path}: damaged {what} (its checksum header is unreadable)")
