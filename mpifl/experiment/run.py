@@ -1,10 +1,11 @@
 """Start one experiment on every rank: decide where it starts, build the parts, run the loops.
 
-Rank 0 decides how the run starts (new, replacing an old one, or resuming from the newest valid
-checkpoint) and sends the config to every rank as text; every rank then builds the same
-federated data from the same seed. Setup failures are checked collectively (:func:`agree`), so a
-missing dataset or an unwritable output on any rank ends every rank cleanly with one message
-from rank 0, instead of a hang.
+Rank 0 takes the run lock, decides how the run starts (new, replacing an old one, or resuming
+from the newest valid checkpoint) and sends the config to every rank as text; every rank then
+builds the same federated data from the same seed. Setup failures of any kind are checked
+collectively (:func:`agree`), so a missing dataset, an unwritable output or a damaged file on any
+rank ends every rank cleanly with one message from rank 0, instead of a hang; a failure during
+the rounds ends every rank too (:func:`_end_all_ranks`).
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def one_line(exc: BaseException) -> str:
     if isinstance(exc, MpiflError):
         return str(exc)
     first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return f"{what} (unexpected; mpifl -v logs the traceback)"
 
 
 def default_out(name: str) -> Path:
@@ -180,7 +182,9 @@ def _with_rounds(cfg: Config, rounds: int) -> Config:
         return type(cfg).model_validate({**cfg.model_dump(), "run": {**cfg.run.model_dump(),
                                                                   "rounds": rounds}})
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
-        raise ConfigError(f"--rounds {rounds}: {one_line(exc)}") from None
+        errors = getattr(exc, "errors", None)
+        msg = errors()[0]["msg"] if callable(errors) and errors() else str(exc).splitlines()[0]
+        raise ConfigError(f"--rounds {rounds}: {msg}") from None
 
 
 def _results_config(out: Path) -> str | None:
@@ -247,7 +251,7 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
     start = agree(comm, lambda: _plan_locked(lock, cfg, out, mode, rounds) if rank == 0 else None)
     if size > 1:  # workers take the config rank 0 settled on
         text = bcast_text(comm, start.cfg.to_json() if rank == 0 else None)
-        cfg = start.cfg if rank == 0 else config_from_json(text)
+        cfg = agree(comm, lambda: start.cfg if rank == 0 else config_from_json(text))
     else:
         cfg = start.cfg
     if rank == 0 and start.done:
