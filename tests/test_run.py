@@ -159,3 +159,15 @@ def test_report_on_a_foreign_or_damaged_file(tmp_path, capsys):
         assert main(["report", str(path)]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
+
+
+def test_run_resume_of_a_run_not_started_yet_starts_it(small_job, tmp_path):
+    """SLURM's templates always pass --resume (a requeued job continues, a first one starts):
+    into a folder that does not exist yet it starts at round 0; `mpifl resume` of nothing
+    refuses in one line."""
+    out = tmp_path / "new" / "runs" / "r.h5"
+    assert main(["run", str(small_job), "--resume", "--set", "run.rounds=2", "--out", str(out),
+                 "--no-progress"]) == 0
+    with h5py.File(out, "r") as f:
+        assert list(f["rounds/round"][()]) == [0, 1]
+    assert main(["resume", str(tmp_path / "none" / "r.h5")]) == 2

@@ -206,9 +206,9 @@ def _complete(out: Path) -> bool:
 def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
                  rounds: int | None) -> Start:
     """Take the run lock (before anything is opened for writing), then plan the start."""
-    if mode == "resume" and not out.parent.is_dir():
+    if cfg is None and not out.parent.is_dir():  # `mpifl resume` needs an existing run
         raise OutputError(f"{out}: no such run to resume (no folder {out.parent})")
-    if mode != "resume" and not out.parent.is_dir():
+    if not out.parent.is_dir():  # a new run, or `run --resume` of a run not started yet
         if out.parent.exists():
             raise OutputError(f"--out {out}: cannot write there (not a folder: {out.parent})")
         try:
