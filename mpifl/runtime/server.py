@@ -17,14 +17,13 @@ import torch
 from tqdm import tqdm
 
 from mpifl.aggregators import RoundUpdates
-from mpifl.store.checkpoint import Checkpoint, save
-from mpifl.metrics.fairness import violations_from_counts
 from mpifl.clients.faults import accepted, dropped_out
+from mpifl.core.rng import SAMPLING_TAG
+from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import client_summary, count_conflicts, count_layer_conflicts
+from mpifl.store.checkpoint import Checkpoint, save
 
 log = logging.getLogger("mpifl.server")
-
-_SAMPLING_TAG = 0x5A3  # separates the sampling stream from other (seed, round) streams
 
 
 def select_clients(seed: int, rnd: int, num_samples: np.ndarray, m: int, sampling: str) -> np.ndarray:
@@ -42,7 +41,7 @@ def select_clients(seed: int, rnd: int, num_samples: np.ndarray, m: int, samplin
     k = len(num_samples)
     if sampling == "all":
         return np.arange(k, dtype=np.int64)
-    rng = np.random.default_rng([seed, rnd, _SAMPLING_TAG])
+    rng = np.random.default_rng([seed, rnd, SAMPLING_TAG])
     p = None
     if sampling == "weighted":
         p = np.asarray(num_samples, dtype=np.float64) / np.sum(num_samples)
