@@ -1,5 +1,5 @@
 """AFL — Agnostic Federated Learning: Mohri, Sivek & Suresh, "Agnostic Federated Learning",
-ICML 2019 (arXiv:1902.00146), Stochastic-AFL (Algorithm 1); SPEC §7.
+ICML 2019 (arXiv:1902.00146), Stochastic-AFL (Algorithm 1); ALGORITHMS.md §7.
 
 Every client takes part in every round. The server keeps mixture weights ``λ`` over all K clients,
 starting at ``1/K``; in round t
@@ -25,7 +25,7 @@ Server contract (the aggregator never sees ``w``, so the server reports it):
    None, K is the first round's m, and that round must then hold exactly the clients ``0..m-1``.
 
 Every round selects all clients (``server.sampling = "all"``). If some of them are missing from
-``r`` anyway (client dropout, or updates the server rejected) — a case neither SPEC nor the paper
+``r`` anyway (client dropout, or updates the server rejected) — a case the paper does not
 covers — the step uses the present clients' weights renormalised,
 ``s = sum_{k in S_t} λ_k u_k / sum_{k in S_t} λ_k`` (``s = 0`` if that sum is 0: λ puts no weight on
 any present client), and only the present clients' losses enter the ascent on λ (absent clients
@@ -67,8 +67,8 @@ def project_simplex(v) -> np.ndarray:
 
 @register("afl")
 class AFL(Aggregator):
-    """Agnostic FL aggregation (Mohri et al., ICML 2019); SPEC §7. See the module docstring for
-    the server contract (``observe_params`` / ``evaluation_params``).
+    """Agnostic FL aggregation (Mohri et al., ICML 2019); ALGORITHMS.md §7. See the module docstring
+    for the server contract (``observe_params`` / ``evaluation_params``).
 
     Args:
         eta_lambda: ``>= 0``, step size of the ascent on λ (0 keeps λ uniform). Default 0.01

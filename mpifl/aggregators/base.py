@@ -2,9 +2,9 @@
 
 An aggregation rule is one subclass of :class:`Aggregator` in its own file, registered by name
 with :func:`register`. The server builds one :class:`RoundUpdates` per round, calls
-``aggregate`` and applies the returned step as ``w <- w - s`` (SPEC §0). Everything an aggregator
-carries between rounds goes through ``state_dict`` / ``load_state_dict`` as numpy arrays and
-scalars, so checkpoints are plain HDF5 datasets and a resumed run continues bit-for-bit.
+``aggregate`` and applies the returned step as ``w <- w - s`` (ALGORITHMS.md §0). Everything an
+aggregator carries between rounds goes through ``state_dict`` / ``load_state_dict`` as numpy arrays
+and scalars, so checkpoints are plain HDF5 datasets and a resumed run continues bit-for-bit.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _as_tensor(x: Any, device: torch.device | None = None) -> torch.Tensor:
 
 @dataclass
 class RoundUpdates:
-    """Everything the server knows about one round's client updates (SPEC §0).
+    """Everything the server knows about one round's client updates (ALGORITHMS.md §0).
 
     Attributes:
         round: round index ``t >= 0``.

@@ -1,5 +1,5 @@
 """Ditto — Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-Personalization", ICML 2021 (SPEC §7).
+Personalization", ICML 2021 (ALGORITHMS.md §7).
 
 The global model is trained exactly as FedAvg (this rule's step is FedAvg's weighted mean of the
 updates). Every client also keeps a personal model v_k, trained locally on
@@ -15,8 +15,8 @@ keep their new personal model. Following the authors' code (github.com/litian96/
 ``flearn/trainers_MTL/fedbase.py``: ``local_models`` are deep copies of the initial model),
 every v_k starts as a copy of the initial global model — here the first global parameters the
 rule is given (round 0's w^0). The reference averages the updates uniformly
-(``simple_average``); SPEC §7 says "trained as FedAvg", so the default weighting is FedAvg's
-``"samples"``, and ``weighting = "uniform"`` is the reference's.
+(``simple_average``); ALGORITHMS.md §7 says "trained as FedAvg", so the default weighting is
+FedAvg's ``"samples"``, and ``weighting = "uniform"`` is the reference's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """DRFL — Zhao & Joshi, "A Dynamic Reweighting Strategy for Fair Federated Learning",
-ICASSP 2022; SPEC §7.
+ICASSP 2022; ALGORITHMS.md §7.
 
 Each selected client is weighted by its share of the round's losses (``l_k``, the global model's
 training loss before local training): ``p_k = l_k / sum_{j in S_t} l_j``, ``s = sum_k p_k u_k``.
 One GEMV.
 
-Degenerate round (not covered by SPEC or the paper): if every loss is exactly 0 the weights are
+Degenerate round (not covered by the paper): if every loss is exactly 0 the weights are
 undefined; they fall back to uniform ``1/m``.
 """
 
@@ -20,7 +20,7 @@ from mpifl.aggregators.qfedavg import check_losses
 
 @register("drfl")
 class DRFL(Aggregator):
-    """Loss-proportional weighting (Zhao & Joshi, ICASSP 2022); SPEC §7.
+    """Loss-proportional weighting (Zhao & Joshi, ICASSP 2022); ALGORITHMS.md §7.
 
     Args:
         seed: unused (nothing is drawn); kept for the common constructor.

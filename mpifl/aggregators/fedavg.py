@@ -1,5 +1,5 @@
 """FedAvg — McMahan et al., "Communication-Efficient Learning of Deep Networks from
-Decentralized Data", AISTATS 2017 (SPEC §2)."""
+Decentralized Data", AISTATS 2017 (ALGORITHMS.md §2)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """FedFa — Wei Huang, Tianrui Li, Dexian Wang, Shengdong Du & Junbo Zhang, "Fairness and Accuracy
 in Federated Learning" (arXiv:2012.10069, 2020; also cited as "FedFa: a fair federated learning
-framework with double momentum", 2022); SPEC §7.
+framework with double momentum", 2022); ALGORITHMS.md §7.
 
 Each round the selected clients report ``ACC_k``, the training accuracy of the global model
 ``w^t`` on their training split measured **before** local training, and the server keeps
@@ -16,7 +16,7 @@ The second momentum ("double momentum") is the clients' local SGD momentum ``gam
 rule requests from local training through :meth:`FedFa.client_options`, together with
 ``report_accuracy`` (the trainer then delivers ``stats["train_accuracy"]``).
 
-In the update form of SPEC §0 (``u_k = w^t - w_k``, ``w^{t+1} = w^t - s``): since
+In the update form of ALGORITHMS.md §0 (``u_k = w^t - w_k``, ``w^{t+1} = w^t - s``): since
 ``sum p_k = 1``, ``w_agg - w^t = -sum_k p_k u_k``, so ``v <- gamma_s v - sum_k p_k u_k`` and the
 returned step is ``s = -v``.
 
@@ -34,7 +34,7 @@ Where it does not: the reference's server update is
 ``m <- gamma m + (1 - gamma)(w_agg - w^t)``, ``w^{t+1} = w_agg - eta m`` (eta the client learning
 rate; the older easyFL ``algorithm/fedfa.py`` even builds a tuple there), with one ``gamma``
 (FLGo defaults: beta 0.5, gamma 0.9) shared by the server and the clients' SGD momentum. This
-rule follows the paper's form as SPEC §7 writes it (``v <- gamma_s v + (w_agg - w^t)``,
+rule follows the paper's form as ALGORITHMS.md §7 writes it (``v <- gamma_s v + (w_agg - w^t)``,
 ``w^{t+1} = w^t + v``) with separate ``gamma_s`` and ``gamma_c``; the defaults here (beta,
 gamma_s, gamma_c = 0.5, 0.5, 0.5, :class:`FedFa.Params`) differ from FLGo's
 ``gamma = 0.9``. The FedLF authors' FedFa baseline (github.com/zibinpan/FedLF,
@@ -42,7 +42,7 @@ gamma_s, gamma_c = 0.5, 0.5, 0.5, :class:`FedFa.Params`) differ from FLGo's
 (``ms <- gamma ms + dw``, ``w <- w + ms``) and also counts the current round, but measures ACC
 *after* local training, trains with the run's plain SGD (momentum 0 by default), and weighs by
 the raw accuracies and frequencies divided by the summed information quantities, which neither
-the paper nor SPEC §7 does.
+the paper nor ALGORITHMS.md §7 does.
 
 A case neither the paper nor the reference covers: if every client of the round has
 ``ACC_k = 0`` (``sum ACC = 0``), the accuracy shares ``ACC_k / sum ACC`` are taken as ``1/m``
@@ -80,8 +80,8 @@ def fedfa_weights(acc: np.ndarray, freq: np.ndarray, beta: float) -> np.ndarray:
 
 @register("fedfa")
 class FedFa(Aggregator):
-    """FedFa aggregation with server momentum (Huang et al. 2020/2022); SPEC §7 and the module
-    docstring.
+    """FedFa aggregation with server momentum (Huang et al. 2020/2022); ALGORITHMS.md §7 and the
+    module docstring.
 
     Args:
         beta: weight of the participation-frequency term in [0, 1]; alpha = 1 - beta weighs the

@@ -1,5 +1,5 @@
 """FedFV — Federated Fair Averaging: Wang et al., "Federated Learning with Fair Averaging",
-IJCAI 2021 (arXiv:2104.14937), SPEC §3, in the Gram-matrix form.
+IJCAI 2021 (arXiv:2104.14937), ALGORITHMS.md §3, in the Gram-matrix form.
 
 Each projected update is kept as a combination of the original ones, ``g_i = u_i - sum_j c_ij u_j``.
 With ``G = U U^T`` (one GEMM) every dot product the paper's Algorithm 2 needs is
@@ -10,7 +10,7 @@ O(m^2 d) in the GEMM and O((m + tau m) d) elsewhere; :class:`~mpifl.aggregators.
 DirectFedFV` is the per-pair loop it is tested against.
 
 Defaults: ``alpha=0.1, tau=1`` as in the authors' FLGo code; the kept-clients count and the
-history window follow SPEC §3 (the paper's window by default, FLGo's as
+history window follow ALGORITHMS.md §3 (the paper's window by default, FLGo's as
 ``external_window="flgo"``).
 """
 
@@ -43,7 +43,7 @@ def num_kept(m: int, alpha: float) -> int:
 
 def projection_order(client_ids: np.ndarray, losses: np.ndarray, order: str, seed: int,
                      rnd: int) -> np.ndarray:
-    """The projection order ``PO`` as (m,) positions into the round's rows (SPEC §3.2).
+    """The projection order ``PO`` as (m,) positions into the round's rows (ALGORITHMS.md §3.2).
 
     ``"loss"``: ascending loss, ties by ascending client id. ``"reverse"``: descending loss,
     ties still by ascending client id. ``"random"``: the clients sorted by id, permuted by
@@ -94,7 +94,7 @@ _RING_KEYS = {"rounds": "history_rounds", "sizes": "history_sizes",
 
 @register("fedfv")
 class FedFV(Aggregator):
-    """FedFV aggregation (Wang et al., IJCAI 2021), Gram form; SPEC §3.
+    """FedFV aggregation (Wang et al., IJCAI 2021), Gram form; ALGORITHMS.md §3.
 
     Args:
         alpha: in [0, 1): share of high-loss clients that keep their update (paper's alpha;
@@ -108,8 +108,8 @@ class FedFV(Aggregator):
 
     History is a :class:`~mpifl.aggregators.history.HistoryRing` of at most ``tau`` stored
     rounds (``tau - 1`` for ``"flgo"``; the current round is the input itself), each row
-    flagged while it is its client's latest update (SPEC's ``H[k]``): O(tau m d) memory however
-    many clients exist.
+    flagged while it is its client's latest update (``H[k]`` of ALGORITHMS.md §3.1): O(tau m d)
+    memory however many clients exist.
 
     Raises:
         ValueError: a hyper-parameter out of range; in ``aggregate``, a round that is not later
@@ -248,7 +248,7 @@ class FedFV(Aggregator):
 
 
 def _rescale(g: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """``g * ||mean u|| / ||g||``, or zeros when ``||g|| == 0`` (SPEC §3.6)."""
+    """``g * ||mean u|| / ||g||``, or zeros when ``||g|| == 0`` (ALGORITHMS.md §3.6)."""
     gn = torch.linalg.vector_norm(g)
     if float(gn) == 0.0:
         return torch.zeros_like(g)

@@ -1,6 +1,6 @@
-"""FedFV written straight from SPEC §3 (Wang et al., "Federated Learning with Fair Averaging",
-IJCAI 2021, Algorithms 2 and 3): per-pair Python loops over d-dimensional vectors and a plain
-dict history ``H[k] = (u_k, t_k)``.
+"""FedFV written straight from ALGORITHMS.md §3 (Wang et al., "Federated Learning with Fair
+Averaging", IJCAI 2021, Algorithms 2 and 3): per-pair Python loops over d-dimensional vectors and a
+plain dict history ``H[k] = (u_k, t_k)``.
 
 This is the test oracle for the Gram form (:mod:`mpifl.aggregators.fedfv`) and the baseline of
 ``mpifl bench aggregation``. It is deliberately not registered: O(m^2) Python-level vector

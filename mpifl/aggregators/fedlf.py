@@ -1,6 +1,6 @@
-"""FedLF — Layer-wise Fair Federated Learning: Pan, Li, Sheng, Zhu, Lin, Chen, "FedLF:
+"""FedLF — Layer-wise Fair Federated Learning: Pan, Li, Yu, Wang, Wang, Tang & Zhao, "FedLF:
 Layer-wise Fair Federated Learning", AAAI 2024 (authors' code: github.com/zibinpan/FedLF);
-SPEC §5, in Gram space per layer.
+ALGORITHMS.md §5, in Gram space per layer.
 
 One round, with ``g_k = u_k / lr_t`` the selected clients' gradient estimates and ``l_k`` their
 losses at ``w^t``:
@@ -26,18 +26,19 @@ n D 8 bytes of scratch), so the zero test and the no-conflict guarantee do not d
 rounding.
 
 **Zero test.** ``d_l`` counts as zero when ``||d_l|| <= zero_tol * mu_l`` with ``zero_tol = 1e-8``
-by default. SPEC §5 says 1e-12, but the QP resolves a hull that contains 0 only to
-``||d_l|| ~ 1e-12 .. 2e-10 mu_l`` (measured with cvxopt in float64), on both sides of 1e-12; with
-1e-8 every direction declared non-zero keeps every row's conflict above ``-1e-8`` relative.
+by default (ALGORITHMS.md §5.5). A tighter 1e-12 would not do: the QP resolves a hull that
+contains 0 only to ``||d_l|| ~ 1e-12 .. 2e-10 mu_l`` (measured with cvxopt in float64), on both
+sides of 1e-12; with 1e-8 every direction declared non-zero keeps every row's conflict above
+``-1e-8`` relative.
 
 **Rows left out.** A row whose slice is exactly zero constrains nothing (``0 · d = 0``) and
 is left out of the QP instead of being normalised (the reference code divides by its norm). The
 fair row is left out when ``h = 0`` (equal losses: L is parallel to 1, or m = 1) or when
 ``||p_l|| <= 1e-6 sum_k |h_k| mu_l`` (no fair direction to follow).
 
-**Absent clients** (paper's history, SPEC §5.6). ``M`` = clients ever seen before this round;
-when ``M > m``, ``tau = floor(M / m)`` and every client not selected now whose last gradient is
-at most tau rounds old joins with it. ``m`` here is the nominal round size: the largest round
+**Absent clients** (paper's history, ALGORITHMS.md §5.6). ``M`` = clients ever seen before this
+round; when ``M > m``, ``tau = floor(M / m)`` and every client not selected now whose last gradient
+is at most tau rounds old joins with it. ``m`` here is the nominal round size: the largest round
 seen so far (``server.clients_per_round`` unless every round so far lost clients to dropout or
 rejection), which can only grow. At most m new clients join per round, so tau grows by at most
 one per round and the window's left end ``t - tau`` never moves back: after round t, rounds
@@ -50,19 +51,19 @@ and about ``(1 - 1/e) K`` clients are within the window, so the history approach
 design of the paper's rule, as in the reference code (which keeps every client's last
 gradient). Seen clients cost two int64 each.
 
-**Conflict fallback** (SPEC §5.7). After rescaling, if some selected client has
+**Conflict fallback** (ALGORITHMS.md §5.7). After rescaling, if some selected client has
 ``g_k · d < -1e-6 ||g_k|| ||d||``, the unscaled d is used. The test is invariant under rescaling,
 so it can only fire when the QP direction itself conflicts (numerical trouble); then the step is
 at least not enlarged. The reference code's test is absolute (``max(-G d) > 1e-6``) and halves d.
 
-**Invariant** (SPEC §5.8), as the rule guarantees it: for every solved group (a layer, or
+**Invariant** (ALGORITHMS.md §5.8), as the rule guarantees it: for every solved group (a layer, or
 layers merged by step 3) and every selected or history row, ``g_{k,g} · d_g >= 0``, and
 ``p_g · d_g >= 0`` for the fair row built from the *normalised* slices. Inside a merged group a
 single layer can conflict, and the raw ``g_P = sum_k h_k g_k`` is not a QP row, so
-``g_P,l · d_l`` can be negative; SPEC's wording (per layer, raw g_P) promises more than the
+``g_P,l · d_l`` can be negative; a per-layer promise for the raw g_P would be more than the
 paper's rule gives. The authors' released ``FedLF.py`` solves every layer alone (no merging).
 
-Defaults: no hyper-parameters besides ``zero_tol``; the paper's (and SPEC's) rules.
+Defaults: no hyper-parameters besides ``zero_tol``; the paper's rules (ALGORITHMS.md §5).
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ from mpifl.aggregators.qp import solve_simplex_qp
 ZERO_TOL = 1e-8          # d_l is zero when ||d_l|| <= ZERO_TOL * mu_l (see the module docstring)
 FAIR_TOL = 1e-6          # p_l is dropped when ||p_l|| <= FAIR_TOL * sum|h_k| * mu_l
 PARALLEL_TOL = 1e-12     # h = 0 when sin(angle(L, 1)) <= PARALLEL_TOL
-CONFLICT_TOL = 1e-6      # SPEC §5.7's relative conflict threshold
+CONFLICT_TOL = 1e-6      # ALGORITHMS.md §5.7's relative conflict threshold
 
 
 def fair_weights(losses) -> np.ndarray:
     """FedLF's fair-driven weights ``h = [(e·L) L / ||L||^2 - e] / ||L||``, ``e = 1/sqrt(m)``.
 
-    ``sum_k h_k g_k`` is the gradient of ``P(w) = -cos(1, L(w))`` (SPEC §5.2); ``h ⟂ L``.
+    ``sum_k h_k g_k`` is the gradient of ``P(w) = -cos(1, L(w))`` (ALGORITHMS.md §5.2); ``h ⟂ L``.
 
     Args:
         losses: (m,) finite losses.
@@ -147,7 +148,7 @@ class Direction:
 
 def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | None = None,
                     zero_tol: float = ZERO_TOL) -> Direction:
-    """FedLF's unscaled direction ``d = concat(d_l)`` (SPEC §5.2-5.5).
+    """FedLF's unscaled direction ``d = concat(d_l)`` (ALGORITHMS.md §5.2-5.5).
 
     Args:
         X: (n, D) floating tensor; rows ``0 .. m-1`` are the selected clients' gradient
@@ -257,11 +258,11 @@ _RING_KEYS = {"rounds": "history_rounds", "sizes": "history_sizes",
 
 @register("fedlf")
 class FedLF(Aggregator):
-    """FedLF aggregation (Pan et al., AAAI 2024), layer-wise Gram form; SPEC §5.
+    """FedLF aggregation (Pan et al., AAAI 2024), layer-wise Gram form; ALGORITHMS.md §5.
 
     Args:
         zero_tol: > 0, the zero test of a layer direction (``||d_l|| <= zero_tol mu_l``);
-            default 1e-8 (see the module docstring for why not SPEC's 1e-12).
+            default 1e-8 (see the module docstring for why not 1e-12).
         seed: unused (nothing is drawn); kept for the common constructor.
 
     After each ``aggregate``: ``last_direction`` (:class:`Direction`; its ``groups`` show
@@ -351,7 +352,7 @@ class FedLF(Aggregator):
     # ---- steps ------------------------------------------------------------------------------
 
     def _rescale(self, d: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """``d * ||mean g|| / ||d||`` (float64), or d itself if that conflicts (SPEC §5.7)."""
+        """``d * ||mean g|| / ||d||`` (float64), or d itself if it conflicts (ALGORITHMS.md §5.7)."""
         self.last_fallback = False
         dn = float(torch.linalg.vector_norm(d))
         if dn == 0.0:

@@ -1,7 +1,7 @@
 """FedMDFG — Pan et al., "FedMDFG: Federated Learning with Multi-Gradient Descent and Fair
 Guidance", AAAI 2023 (authors' code: github.com/zibinpan/FedMDFG,
 ``fedplat/algorithm/FedMDFG/FedMDFG.py`` and ``fedplat/algorithm/common/utils.py``
-(``get_fedmdfg_d``)); SPEC §7, in Gram space.
+(``get_fedmdfg_d``)); ALGORITHMS.md §7, in Gram space.
 
 One round, with ``g_k = u_k / lr_t`` the selected clients' full-batch gradients at ``w^t`` (the
 job runs E = 1, B = 0) and ``l_k`` their losses at ``w^t``:
@@ -20,11 +20,12 @@ job runs E = 1, B = 0) and ``l_k`` their losses at ``w^t``:
 4. **Fair guidance.** ``L`` the live losses, ``L̂ = L / ||L||``, ``e = 1 / sqrt(n)``; the angle
    between L and 1 is ``arccos(e · L̂)`` in degrees. If it exceeds ``theta`` or the guidance is
    forced (step 1), the row ``p = h^T Ĝ`` with ``h = normalise((e · L̂) L̂ - e)`` joins the QP
-   (not rescaled: as in the reference code and SPEC). When L is parallel to 1 (or ``||L|| = 0``,
-   or n = 1) h is undefined (the reference code divides by 0) and no fair row is added.
+   (not rescaled: as in the reference code and ALGORITHMS.md §7). When L is parallel to 1 (or
+   ``||L|| = 0``, or n = 1) h is undefined (the reference code divides by 0) and no fair row is
+   added.
 5. **Absent clients.** The live clients of the last round that are not selected now join with
    their last round's rescaled gradients (at that round's ``mu``, as the reference code keeps
-   them; SPEC: "clients present last round but absent now join as rows").
+   them; ALGORITHMS.md §7: "clients present last round but absent now join as rows").
 6. **QP.** ``min ||λ^T Q||^2`` over the simplex (cvxopt via
    :func:`~mpifl.aggregators.qp.solve_simplex_qp`), ``Q`` = [live ĝ; p; absent rows];
    ``d0 = λ^T Q``.
@@ -47,13 +48,13 @@ absent-client row joined, at most ``s + 1`` otherwise; 0 when no client is live 
 Each call asks the workers for the live clients' training losses at one candidate (the
 accepted step is the last candidate evaluated or one evaluated earlier; no extra call).
 
-**Where this follows the reference code rather than the paper / SPEC, or departs from both:**
+**Where this follows the reference code rather than the paper, or departs from both:**
 
 - Armijo test: the reference code accepts ``l_0 - l >= eta beta c`` with ``c = -(ĝ · d)``, which
   lets each loss *rise* by up to ``beta eta ĝ_k · d``; here the sign is the usual Armijo one
-  (every live client's loss must fall, as SPEC says), and the directional term uses the
+  (every live client's loss must fall, as ALGORITHMS.md §7 says), and the directional term uses the
   rescaled gradients ``ĝ_k`` as the reference code does.
-- Range: SPEC's ``2^s lr ... 0.5^s lr``. The reference code lowers the end to
+- Range: ``2^s lr ... 0.5^s lr`` (ALGORITHMS.md §7). The reference code lowers the end to
   ``0.5^s lr / scale`` (``scale = ||d|| / ||d0|| >= 1``), which adds ``log2(scale)`` candidates
   (unbounded as ``d0 -> 0``); the fixed range bounds the calls.
 - Under guidance the reference code also asks the cosine between the new losses and 1 to
@@ -140,7 +141,7 @@ def candidate_rates(lr: float, s: int, same_users: bool) -> list[float]:
 
 @register("fedmdfg")
 class FedMDFG(Aggregator):
-    """FedMDFG aggregation (Pan et al., AAAI 2023), Gram form with a line search; SPEC §7.
+    """FedMDFG aggregation (Pan et al., AAAI 2023), Gram form with a line search; ALGORITHMS.md §7.
 
     Args:
         theta: the fairness angle in degrees, ``0 < theta < 90``; default 11.25 (pi/16).

@@ -1,6 +1,7 @@
 """FedMeta — controllable meta updating (Yao et al., "Federated Learning with Unbiased Gradient
 Aggregation and Controllable Meta Updating", NeurIPS 2019 FL workshop, arXiv:1910.08234;
-SPEC §6): FedAvg's aggregation followed by one gradient step on a small server-held meta set.
+ALGORITHMS.md §6): FedAvg's aggregation followed by one gradient step on a small server-held meta
+set.
 
 The meta step itself is :class:`mpifl.clients.meta.MetaStep` (it needs the data and the model, which
 an aggregator does not see). Contract with the server, after every aggregation (also for any

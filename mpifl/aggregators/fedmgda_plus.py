@@ -1,6 +1,6 @@
-"""FedMGDA+ — Hu, Wei, Wu & Yu, "Federated Learning Meets Multi-objective Optimization",
-IEEE Transactions on Network Science and Engineering 2022 (arXiv:2006.11489); SPEC §7, in Gram
-space.
+"""FedMGDA+ — Hu, Shaloudegi, Zhang & Yu, "Federated Learning Meets Multi-objective Optimization",
+IEEE Transactions on Network Science and Engineering 2022 (arXiv:2006.11489); ALGORITHMS.md §7, in
+Gram space.
 
 Each update is normalised, ``û_k = u_k / (||u_k|| + 1e-8)``; with the sample weights
 ``λ0_k = n_k / sum_{j in S_t} n_j`` the weights solve the min-norm problem
@@ -35,7 +35,7 @@ NORM_EPS = 1e-8
 
 @register("fedmgda_plus")
 class FedMGDAPlus(Aggregator):
-    """FedMGDA+ aggregation (Hu et al., IEEE TNSE 2022), Gram form; SPEC §7.
+    """FedMGDA+ aggregation (Hu et al., IEEE TNSE 2022), Gram form; ALGORITHMS.md §7.
 
     Args:
         eps: ``>= 0``, how far each weight may move from ``λ0_k = n_k / sum n`` (0: fixed sample

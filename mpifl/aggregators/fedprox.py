@@ -1,4 +1,5 @@
-"""FedProx — Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020 (SPEC §7).
+"""FedProx — Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020
+(arXiv:1812.06127; ALGORITHMS.md §7).
 
 Clients minimise their loss plus ``(mu/2) ||w - w^t||^2`` (the proximal term keeps local models
 near the round's global model); the server aggregates exactly as FedAvg (sample-weighted mean).

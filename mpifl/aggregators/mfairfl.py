@@ -1,6 +1,6 @@
 """mFairFL, server side — Su, Yu, Wang, Li, Li & Yu, "Multi-dimensional Fair Federated
-Learning", AAAI 2024 (arXiv:2312.05551); SPEC §4: the multiplier update (Alg. S1 line 8) and
-the gradient curation with EMA similarity goals (Alg. S2, Eq. 15).
+Learning", AAAI 2024 (arXiv:2312.05551); ALGORITHMS.md §4: the multiplier update (Alg. S1 line 8)
+and the gradient curation with EMA similarity goals (Alg. S2, Eq. 15).
 
 **Multipliers.** Clients minimise the Lagrangian ``F_k + sum_a λ_a c_a`` with the λ they received
 and report their constraint values ``c_{a,k}(w^t)`` (``RoundUpdates.stats["constraints"]``,
@@ -19,7 +19,7 @@ and report their constraint values ``c_{a,k}(w^t)`` (``RoundUpdates.stats["const
 
 ``g = (1/m) sum_i g_i`` rescaled to ``||(1/m) sum_k u_k||``; ``w^{t+1} = w^t - g``.
 
-Reading of SPEC/paper (GradVac's Algorithm 1, which mFairFL's Alg. S2 and Eq. 15 follow):
+Reading of the paper (GradVac's Algorithm 1, which mFairFL's Alg. S2 and Eq. 15 follow):
 
 - ``phi`` is the cosine of the *partly curated* ``g_i`` (after the adjustments for the targets
   before j in PO) with the original ``u_j``, measured **before** the adjustment for j; the EMA
@@ -38,8 +38,8 @@ Reading of SPEC/paper (GradVac's Algorithm 1, which mFairFL's Alg. S2 and Eq. 15
   exactly. ``ceil(alpha m)`` is taken after rounding ``alpha m`` to 9 decimals, so that
   ``0.7 * 10 = 7.000000000000001`` adjusts 7 clients, not 8.
 
-**Gram form** (as FedFV's, SPEC §3): ``g_i = u_i + sum_j C_ij u_j``. With ``G = U U^T`` (one GEMM)
-``g_i . u_j = (G_ij + sum_k C_ik G_kj)`` and ``||g_i||^2`` follows each step exactly
+**Gram form** (as FedFV's, ALGORITHMS.md §3): ``g_i = u_i + sum_j C_ij u_j``. With ``G = U U^T``
+(one GEMM) ``g_i . u_j = (G_ij + sum_k C_ik G_kj)`` and ``||g_i||^2`` follows each step exactly
 (``||g + a u_j||^2 = ||g||^2 + 2 a g.u_j + a^2 G_jj``), so all adjusted clients advance together
 target by target on m x m float64 numbers (O(m^3)); ``g = (1/m) 1^T (I + C) U`` is one GEMV.
 
@@ -143,7 +143,7 @@ def curation_coefficients(G: np.ndarray, po: np.ndarray, adjusted: np.ndarray,
 
 @register("mfairfl")
 class MFairFL(Aggregator):
-    """mFairFL server (Su et al., AAAI 2024); SPEC §4. See the module docstring.
+    """mFairFL server (Su et al., AAAI 2024); ALGORITHMS.md §4. See the module docstring.
 
     Args:
         notion: ``"dp"``, ``"eo"`` or ``"ap"``, the fairness notion (client side; the server only

@@ -1,5 +1,5 @@
 """q-FedAvg (q-FFL) — Li, Sanjabi, Beirami & Smith, "Fair Resource Allocation in Federated
-Learning", ICLR 2020 (arXiv:1905.10497), Algorithm 2; SPEC §7.
+Learning", ICLR 2020 (arXiv:1905.10497), Algorithm 2; ALGORITHMS.md §7.
 
 With ``L = 1/lr`` (the paper's estimate of the local Lipschitz constant from the client learning
 rate of the round), ``Delta_k = L u_k`` and ``F_k = l_k + 1e-10`` (``l_k`` the global model's
@@ -30,7 +30,7 @@ LOSS_EPS = 1e-10
 
 @register("qfedavg")
 class QFedAvg(Aggregator):
-    """q-FedAvg aggregation (Li et al., ICLR 2020); SPEC §7.
+    """q-FedAvg aggregation (Li et al., ICLR 2020); ALGORITHMS.md §7.
 
     Args:
         q: fairness exponent, ``>= 0`` (0 is FedAvg with uniform weights; larger q weights

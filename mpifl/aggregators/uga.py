@@ -1,6 +1,6 @@
 """UGA — unbiased gradient aggregation (Yao et al., "Federated Learning with Unbiased Gradient
 Aggregation and Controllable Meta Updating", NeurIPS 2019 FL workshop, arXiv:1910.08234;
-SPEC §6), the server side.
+ALGORITHMS.md §6), the server side.
 
 The clients' local work is :class:`mpifl.clients.uga.UGATrainer` (keep-trace local training
 and the gradient with respect to the round's starting weights); the server steps

@@ -5,7 +5,7 @@ client updates, over a grid of clients per round m, model sizes d and history le
 FedFV's Gram form is also timed against the direct per-pair loop
 (:class:`~mpifl.aggregators.fedfv_direct.DirectFedFV`) on the same inputs in the same run, and
 reported as a ratio with the largest difference between the two steps: ratios measured side by
-side carry over between machines, absolute times do not (DESIGN "Performance principles").
+side carry over between machines, absolute times do not (docs/BENCHMARKS.md).
 
 Results go to a table, one JSON object (:meth:`AggregationBench.to_json`) and an HDF5 file
 (:func:`write_hdf5`, read back by :func:`read_hdf5` and ``analysis/agg_scaling.py``).

@@ -1,8 +1,8 @@
 """Ditto's client work: FedAvg local SGD for the global model plus a personal model per client.
 
 Ditto — Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-Personalization", ICML 2021 (SPEC §7). Every client k keeps a personal model v_k next to the
-global model. In round t a selected client
+Personalization", ICML 2021 (ALGORITHMS.md §7). Every client k keeps a personal model v_k next to
+the global model. In round t a selected client
 
 * trains the global model exactly as FedAvg (:class:`~mpifl.clients.VmapTrainer`: E epochs of
   minibatch SGD from w^t, reporting ``u_k = w^t - w_k``), and
@@ -14,8 +14,8 @@ which samples; this module follows the authors' code (github.com/litian96/ditto,
 
 * the personal model takes **one step per global step, on the same minibatch** (the reference
   draws a batch, takes the personal step on it, then the global step on it): here both walk
-  the minibatches of SPEC §1 (``batch_order(seed, round, client, epoch, n)``), so the personal
-  model takes ``E * ceil(n_k / B)`` steps, like the global one;
+  the minibatches of ALGORITHMS.md §1 (``batch_order(seed, round, client, epoch, n)``), so the
+  personal model takes ``E * ceil(n_k / B)`` steps, like the global one;
 * the proximal anchor is the round's global model w^t, held fixed during the round (not the
   client's moving copy of the global model), with the same learning rate ``lr_t``;
 * v_k starts as a copy of the initial global model (kept by the aggregator,

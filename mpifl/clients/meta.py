@@ -1,6 +1,6 @@
 """FedMeta's controllable meta updating (Yao et al., "Federated Learning with Unbiased Gradient
 Aggregation and Controllable Meta Updating", NeurIPS 2019 FL workshop, arXiv:1910.08234;
-SPEC §6): after every aggregation the server takes one full-batch gradient step on a small
+ALGORITHMS.md §6): after every aggregation the server takes one full-batch gradient step on a small
 meta set it holds,
 
     w^{t+1} <- w^{t+1} - eta_meta * ∇L(w^{t+1}; D_meta)       (L = mean cross-entropy),

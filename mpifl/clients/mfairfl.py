@@ -1,7 +1,7 @@
 """mFairFL local work: Lagrangian local training with group-fairness constraints.
 
 mFairFL — Su, Yu, Wang, Li, Li & Yu, "Multi-dimensional Fair Federated Learning", AAAI 2024
-(arXiv:2312.05551); SPEC §4, "Local training phase". Client k minimises by local SGD
+(arXiv:2312.05551); ALGORITHMS.md §4, "Local training phase". Client k minimises by local SGD
 
     L_k(θ, λ) = F_k(θ) + sum_a λ_a c_a(θ),      c_a(θ) = |M_a(θ) - M(θ)| - eps,
 
@@ -23,7 +23,7 @@ for every client of the round. With λ = 0 the updates are VmapTrainer's, bit fo
 constraint term only adds exact zeros to the gradient).
 
 **Reported per client** (both measured at the round's global w^t on the client's **whole**
-training split, before training — SPEC §4):
+training split, before training — ALGORITHMS.md §4):
 
 - ``losses``: the Lagrangian loss ``l_k = F_k(w^t) + sum_a λ_a c_{a,k}(w^t)``, which orders the
   clients for the server's gradient curation;
@@ -83,7 +83,8 @@ def gaps_from_sums(notion: str, count: Tensor, prob_sum: Tensor, loss_sum: Tenso
 
 
 class LagrangianTrainer(VmapTrainer):
-    """mFairFL's client computation for many clients at once (SPEC §4); VmapTrainer's interface.
+    """mFairFL's client computation for many clients at once (ALGORITHMS.md §4); VmapTrainer's
+    interface.
 
     Args:
         model, layout, x, y, epochs, batch_size, momentum, weight_decay, seed, memory_budget_mb,

@@ -2,8 +2,8 @@
 
 Local training is FedAvg's client update (McMahan et al., AISTATS 2017): E epochs of minibatch
 SGD on the client's data, starting from the global parameters w, reporting ``u_k = w - w_k``
-(SPEC §0-1). Instead of looping over clients, :class:`VmapTrainer` stacks the parameters of a
-chunk of clients into an ``(m, d)`` tensor and takes one ``torch.func.vmap(grad(loss))`` step
+(ALGORITHMS.md §0-1). Instead of looping over clients, :class:`VmapTrainer` stacks the parameters of
+a chunk of clients into an ``(m, d)`` tensor and takes one ``torch.func.vmap(grad(loss))`` step
 for all of them per step index (the torch.func "model ensembling" pattern). Clients with fewer
 samples, hence fewer or smaller minibatches, are padded and masked instead of looped:
 
@@ -42,7 +42,7 @@ def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int) -> np
     """Order in which client ``client_id`` visits its n samples in ``epoch`` of ``round``.
 
     A permutation of ``range(n)`` (int64) from ``np.random.default_rng([seed, round, client_id,
-    epoch])`` (SPEC §1), so it does not depend on the rank or chunk a client is trained in.
+    epoch])`` (ALGORITHMS.md §1), so it does not depend on the rank or chunk a client is trained in.
     """
     rng = np.random.default_rng([int(seed), int(round), int(client_id), int(epoch)])
     return rng.permutation(int(n)).astype(np.int64, copy=False)
@@ -50,7 +50,7 @@ def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int) -> np
 
 def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
                        batch_size: int):
-    """SPEC §1's minibatches of one client in one round, for per-client loops (the oracles
+    """ALGORITHMS.md §1's minibatches of one client in one round, for per-client loops (the oracles
     and the sequential baseline of ``mpifl bench simulate``).
 
     Yields (b,) int64 positions into the client's n samples: E epochs, each in
@@ -189,7 +189,7 @@ class VmapTrainer:
         Returns:
             ``updates``: ``(m, d)`` float32 on ``device``, ``u_k = w - w_k``;
             ``losses``: ``(m,)`` float32 on ``device``, the mean cross-entropy of w on each
-            client's training samples, measured before training (``l_k`` of SPEC §0).
+            client's training samples, measured before training (``l_k`` of ALGORITHMS.md §0).
 
         Raises:
             ValueError: wrong shapes, or a client without samples.

@@ -2,15 +2,15 @@
 
 UGA — unbiased gradient aggregation (Yao et al., "Federated Learning with Unbiased Gradient
 Aggregation and Controllable Meta Updating", NeurIPS 2019 FL workshop, arXiv:1910.08234;
-SPEC §6). Client k runs the first ``E-1`` epochs of its local SGD (SPEC §1: the same minibatch
-order, learning rate, momentum and weight decay as :class:`~mpifl.clients.VmapTrainer`) while
-keeping the autograd trace, reaching ``w_k = h_k(w^t)``; it then evaluates its loss on its
-whole training split and reports
+ALGORITHMS.md §6). Client k runs the first ``E-1`` epochs of its local SGD (ALGORITHMS.md §1: the
+same minibatch order, learning rate, momentum and weight decay as
+:class:`~mpifl.clients.VmapTrainer`) while keeping the autograd trace, reaching ``w_k = h_k(w^t)``;
+it then evaluates its loss on its whole training split and reports
 
     g_k = ∇_{w^t} L(h_k(w^t); D_k)        (L = mean cross-entropy over D_k)
 
 — the gradient with respect to the round's **starting** weights, through the trace. The
-efficient form of SPEC §6 is used:
+efficient form of ALGORITHMS.md §6 is used:
 
     w_k, pullback = torch.func.vjp(trace, w^t);   v = ∇L(w_k; D_k);   g_k = pullback(v)
 
@@ -66,7 +66,8 @@ FULL_BLOCK = 512
 
 
 class UGATrainer(VmapTrainer):
-    """UGA's client computation for many clients at once (SPEC §6); VmapTrainer's interface.
+    """UGA's client computation for many clients at once (ALGORITHMS.md §6); VmapTrainer's
+    interface.
 
     Args:
         model, layout, x, y, batch_size, momentum, weight_decay, seed, memory_budget_mb, device:
@@ -137,7 +138,7 @@ class UGATrainer(VmapTrainer):
             ``g_k = ∇_{w^t} L(h_k(w^t); D_k)`` — **gradients**, not pseudo-gradients (no
             learning rate in them);
             ``losses``: ``(m,)`` float32, the mean cross-entropy of ``w^t`` on each client's
-            training samples before training (``l_k`` of SPEC §0), as VmapTrainer.
+            training samples before training (``l_k`` of ALGORITHMS.md §0), as VmapTrainer.
 
         Raises:
             ValueError: wrong shapes, or a client without samples.

@@ -1,5 +1,5 @@
 """The parameter layout: where every parameter and layer of a model lives in the flat float32
-vector ``w`` (SPEC §0: the concatenation of ``model.named_parameters()`` in order)."""
+vector ``w`` (ALGORITHMS.md §0: the concatenation of ``model.named_parameters()`` in order)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class ParamLayout:
         offsets: start of each parameter in w (``offsets[i] : offsets[i] + numels[i]``).
         d: total number of parameters.
         layers: one :class:`Layer` per module owning parameters, in model order; the slices
-            tile ``[0, d)`` (FedLF's layers, SPEC §5; the per-layer conflict counts, SPEC §10).
+            tile ``[0, d)`` (FedLF's layers, ALGORITHMS.md §5; the per-layer conflict counts,
+            ALGORITHMS.md §10).
     """
 
     def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]]):

@@ -1,7 +1,7 @@
 """Every random stream of mpifl, in one table: each draw comes from a numpy generator keyed by
 the experiment seed, a tag from this table where needed, and the coordinates it belongs to, so
 there is no hidden RNG state to checkpoint and the same run gives the same draws on any number of
-ranks (DESIGN "Reproducibility").
+ranks (ALGORITHMS.md §1, "Reproducibility").
 
 =========================  ==========================================  ==========================
 stream                     key                                         where

@@ -1,6 +1,6 @@
 """data — Datasets for mpifl: readers (IDX, CIFAR pickles read safely, Synthetic(alpha, beta), the
 tabular fairness sets Adult, COMPAS and German credit with a sensitive attribute), partitions
-over clients (SPEC section 8), per-client train/test splits, and downloads.
+over clients (ALGORITHMS.md §8), per-client train/test splits, and downloads.
 
 May import: core, metrics.  Never imports: models, aggregators, store or anything above them.
 

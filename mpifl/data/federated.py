@@ -145,7 +145,7 @@ def _standardise_channels(x: np.ndarray) -> np.ndarray:
 def _standardise_pixels(raw: np.ndarray) -> np.ndarray:
     """Per pixel ``(x - mean) / (std + 0.001)`` over the samples given, on raw 0..255 values.
 
-    As in the q-FFL / AFL preprocessing that FedFV's one-class experiment reuses (SPEC §8).
+    As in the q-FFL / AFL preprocessing that FedFV's one-class experiment reuses (ALGORITHMS.md §8).
     """
     xf = raw.astype(np.float32)
     mean = xf.mean(axis=0, dtype=np.float64)
@@ -288,7 +288,7 @@ def load_federated(
         seed: non-negative; keys the partition and the per-client splits.
         train_fraction: share of each client's samples used for training, in (0, 1); the rest
             is its test split. Ignored by ``one_class_per_client``, which always splits
-            80/10/10 train/test/validation (validation unused, SPEC §8).
+            80/10/10 train/test/validation (validation unused, ALGORITHMS.md §8).
         classes_per_client: k of ``pathological``.
         dirichlet_alpha: alpha of ``dirichlet``.
         classes: the classes of ``one_class_per_client`` (default [0, 2, 6]); ignored by the

@@ -76,7 +76,7 @@ def _tabular(base_url: str, name: str) -> Source:
 
 
 # Tabular fairness sets: UCI's classic file URLs and ProPublica's repository; SHA-256 of the
-# files as published there (they are also ../shared/data/SHA256SUMS).
+# files as published there (pinned once, in mpifl.data.tabular.SHA256).
 TABULAR_SOURCES: dict[str, Source] = {
     "adult": _tabular("https://archive.ics.uci.edu/ml/machine-learning-databases/adult/",
                       "adult"),

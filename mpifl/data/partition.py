@@ -1,4 +1,4 @@
-"""Partitions of a labelled sample pool over K clients (SPEC section 8).
+"""Partitions of a labelled sample pool over K clients (ALGORITHMS.md §8).
 
 Every function is a pure function of the labels, K, a ``numpy.random.Generator`` and its
 parameters, and returns a list of K int64 index arrays into ``labels`` (disjoint; they cover the
@@ -72,8 +72,8 @@ def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
     Pan et al., "FedLF: Layer-wise Fair Federated Learning", AAAI 2024. For each class c in
     order, the first ``m = floor(K k / C)`` clients that still have a free class slot (or all
     that remain, if fewer) share class c's shuffled samples equally (sizes differ by at most
-    one). SPEC's floor is followed; PFLlib's ``pat`` split, a common implementation of this
-    rule, uses ceil; the two agree when C divides K k. Clients are filled in blocks of m, so
+    one). The floor of ALGORITHMS.md §8 is followed; PFLlib's ``pat`` split, a common implementation
+    of this rule, uses ceil; the two agree when C divides K k. Clients are filled in blocks of m, so
     when m does not divide K the last clients can get fewer than k classes, or none
     (:func:`mpifl.data.load_federated` rejects clients with fewer than 2 samples).
 
@@ -183,7 +183,7 @@ GROUP_SKEW_PRESETS: dict[str, tuple[tuple[float, ...], ...]] = {
 def group_skew(groups: np.ndarray, num_clients: int, rng: np.random.Generator,
                proportions: Sequence[Sequence[float]]) -> list[np.ndarray]:
     """Sensitive-group skew (mFairFL, Su et al., "Multi-dimensional Fair Federated Learning",
-    AAAI 2024; SPEC section 8): group a's samples are shuffled and dealt to the clients in the
+    AAAI 2024; ALGORITHMS.md §8): group a's samples are shuffled and dealt to the clients in the
     shares ``proportions[a]``.
 
     Client k gets the samples of group a between positions ``floor(n_a * cumsum(p)[k-1])`` and

@@ -1,9 +1,9 @@
-"""Tabular fairness datasets: UCI Adult, ProPublica COMPAS and UCI German credit (SPEC §9).
+"""Tabular fairness datasets: UCI Adult, ProPublica COMPAS and UCI German credit (ALGORITHMS.md §9).
 
 Each reader returns a :class:`TabularPool`: every row of the official files that survives the
 documented cleaning, as float32 features (one-hot categoricals, numerical columns still raw),
 a binary label and a binary sensitive attribute kept in its own array for fairness metrics and
-constraints (SPEC §4, §10). Numerical columns are standardised later by
+constraints (ALGORITHMS.md §4, §10). Numerical columns are standardised later by
 :func:`standardise_numeric` with statistics of the training pool only (the union of the
 clients' local train splits; :func:`mpifl.data.load_federated` does it after partitioning), so
 no test sample leaks into the features.
@@ -47,11 +47,11 @@ literature that the mFairFL paper (Su et al., AAAI 2024) compares with; the pape
 that it removes them. ``sensitive_feature=False`` drops them (for German the whole A9 attribute,
 whose every value encodes sex). Proxies remain either way (Adult's relationship = Husband/Wife).
 
-Every file is checked against its SHA-256 (:data:`SHA256`, the values of
-``../shared/data/SHA256SUMS`` and of :mod:`mpifl.data.fetch`) before it is parsed. Folders are
-found like the image datasets' (:func:`mpifl.data.roots.candidate_roots`): ``data_root``,
-``$MPIFL_DATA``, ``~/.cache/mpifl/data``, ``/usr/share/datasets``, in the subfolders ``adult/``,
-``compas/``, ``german/``.
+Every file is checked against its SHA-256 (:data:`SHA256`, the values :mod:`mpifl.data.fetch`
+also verifies downloads with) before it is parsed. Folders are found like the image datasets'
+(:func:`mpifl.data.roots.candidate_roots`): ``data_root``, ``$MPIFL_DATA``,
+``~/.cache/mpifl/data``, ``/usr/share/datasets``, in the subfolders ``adult/``, ``compas/``,
+``german/``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ LAYOUTS: dict[str, DatasetLayout] = {
     "german": DatasetLayout("german", ("german.data",)),
 }
 
-#: SHA-256 of the official files (identical to ``../shared/data/SHA256SUMS``).
+#: SHA-256 of the official files as UCI and ProPublica publish them (``mpifl data fetch``).
 SHA256: dict[str, dict[str, str]] = {
     "adult": {
         "adult.data": "5b00264637dbfec36bdeaab5676b0b309ff9eb788d63554ca0a249491c86603d",

@@ -115,7 +115,8 @@ class ServerConfig(_Section):
     sampling: Literal["uniform", "weighted", "all"] = "uniform"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_update_norm: float | None = Field(None, gt=0.0)
-    # FedMeta's meta step (SPEC §6, table [fedmeta]) after every aggregation, on top of any rule
+    # FedMeta's meta step (ALGORITHMS.md §6, table [fedmeta]) after every aggregation, on top of
+    # any rule
     meta: bool = False
 
 

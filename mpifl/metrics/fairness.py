@@ -1,5 +1,5 @@
-"""Group and client fairness metrics (SPEC §4, §10), after Su et al., "Multi-dimensional Fair
-Federated Learning" (mFairFL), AAAI 2024, Eq. 2-6.
+"""Group and client fairness metrics (ALGORITHMS.md §4, §10), after Su et al., "Multi-dimensional
+Fair Federated Learning" (mFairFL), AAAI 2024, Eq. 2-6.
 
 Every group notion is the largest gap between a group and the whole population,
 ``violation = max_a |M_a - M|``:
@@ -73,7 +73,7 @@ def ap_violation(pred, labels, groups) -> float:
 
 def group_violations(pred, labels, groups) -> dict[str, float]:
     """``{"dp": ..., "eo": ..., "ap": ...}`` of one set of predictions (e.g. the union of the
-    clients' test data, SPEC §10)."""
+    clients' test data, ALGORITHMS.md §10)."""
     return {"dp": dp_violation(pred, groups), "eo": eo_violation(pred, labels, groups),
             "ap": ap_violation(pred, labels, groups)}
 
@@ -109,7 +109,7 @@ def violations_from_counts(counts) -> dict[str, float]:
 
 
 def cf_violation(acc) -> float:
-    """Client-fairness violation ``max_k |acc_k - mean_j acc_j|`` (SPEC §4).
+    """Client-fairness violation ``max_k |acc_k - mean_j acc_j|`` (ALGORITHMS.md §4).
 
     Args:
         acc: (K,) accuracies, K >= 1, finite.
@@ -171,7 +171,7 @@ def num_constraints(notion: str, num_groups: int) -> int:
 
 def group_gaps(notion: str, prob: Tensor, labels: Tensor, groups: Tensor, num_groups: int,
                *, losses: Tensor | None = None, weight: Tensor | None = None) -> Tensor:
-    """Differentiable gaps ``|M_a - M|`` of one notion (SPEC §4 surrogates).
+    """Differentiable gaps ``|M_a - M|`` of one notion (ALGORITHMS.md §4 surrogates).
 
     Args:
         notion: ``"dp"``, ``"eo"`` or ``"ap"``.

@@ -1,4 +1,4 @@
-"""Client-fairness metrics and conflict counts (SPEC §10).
+"""Client-fairness metrics and conflict counts (ALGORITHMS.md §10).
 
 Accuracies are fractions in [0, 1]; ``std`` is in percentage points, as the FedFV paper's "Var."
 column (Wang et al., IJCAI 2021), which is a standard deviation, not a variance.

@@ -1,5 +1,5 @@
-"""models — the model zoo (SPEC §9) behind the model registry, and the contract that vmapped
-training needs from a model (float32 parameters, no buffers).
+"""models — the model zoo (ALGORITHMS.md §9) behind the model registry, and the contract that
+vmapped training needs from a model (float32 parameters, no buffers).
 
 May import: core, metrics.  Never imports: data, aggregators, store or anything above them.
 """

@@ -1,7 +1,7 @@
 """Model zoo and the parameter layout (module -> slice of the flat parameter vector).
 
-Models (SPEC §9), all plain ``nn.Sequential`` stacks without BatchNorm, Dropout or buffers, so
-that stacked parameters can be trained with ``torch.func.vmap``:
+Models (ALGORITHMS.md §9), all plain ``nn.Sequential`` stacks without BatchNorm, Dropout or buffers,
+so that stacked parameters can be trained with ``torch.func.vmap``:
 
 - ``logreg``: flatten -> Linear(in, C) with a zero-initialised bias.
 - ``mlp``: flatten -> [Linear + ReLU] per hidden size -> Linear(C). Two hidden layers of 200 is the
@@ -13,12 +13,12 @@ that stacked parameters can be trained with ``torch.func.vmap``:
   Conv(64, 5x5) ReLU MaxPool2 -> FC 384 ReLU -> FC 192 ReLU -> FC C.
 
 ``output="softmax"`` appends ``Softmax(dim=-1)``: the FedFV reference code trains
-``CrossEntropyLoss`` on those probabilities (a "double softmax", SPEC §9 "Reference-code
+``CrossEntropyLoss`` on those probabilities (a "double softmax", ALGORITHMS.md §9 "Reference-code
 models"). mpifl always trains and evaluates with ``F.cross_entropy(model(x), y)``, so such a
 model gets exactly that double softmax.
 
 The flat parameter vector ``w`` (dimension ``d``) is the concatenation of the parameters in
-``model.named_parameters()`` order (SPEC §0); :class:`ParamLayout` maps names and layers to
+``model.named_parameters()`` order (ALGORITHMS.md §0); :class:`ParamLayout` maps names and layers to
 slices of it.
 """
 
@@ -36,7 +36,7 @@ from torch import nn
 from mpifl.core.errors import ConfigError
 from mpifl.core.registry import Registry
 
-#: The built-in models (SPEC §9).
+#: The built-in models (ALGORITHMS.md §9).
 MODELS = ("logreg", "mlp", "cnn_mnist", "cnn_cifar")
 OUTPUTS = ("logits", "softmax")
 
@@ -160,7 +160,7 @@ def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
 @MODEL_FACTORIES.register("logreg")
 def _logreg(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     fc = nn.Linear(math.prod(shape), c)
-    nn.init.zeros_(fc.bias)  # as in the reference logistic regressions (SPEC §8)
+    nn.init.zeros_(fc.bias)  # as in the reference logistic regressions (ALGORITHMS.md §8)
     return nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=fc))
 
 

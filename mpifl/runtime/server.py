@@ -1,4 +1,4 @@
-"""Rank 0's round loop: sample, broadcast, gather, aggregate, evaluate, record (DESIGN "One round").
+"""Rank 0's round loop: sample, broadcast, gather, aggregate, evaluate, record (docs/ARCHITECTURE.md).
 
 Data flows one way through a round: selected ids and global parameters go out, updates and
 losses come back, the aggregator turns them into a step, the step moves the model, and the
@@ -27,7 +27,7 @@ log = logging.getLogger("mpifl.server")
 
 
 def select_clients(seed: int, rnd: int, num_samples: np.ndarray, m: int, sampling: str) -> np.ndarray:
-    """The clients of round ``rnd`` (SPEC §1), sorted by id.
+    """The clients of round ``rnd`` (ALGORITHMS.md §1), sorted by id.
 
     Args:
         seed: the run's seed; with ``rnd`` it keys the RNG, so no RNG state needs saving.
