@@ -236,6 +236,10 @@ class Aggregator:
     needs_all_clients: ClassVar[bool] = False
     #: True for rules that keep a personal model per client (:meth:`personal_params`).
     personal_models: ClassVar[bool] = False
+    #: True for rules that read the clients' pre-training losses ``RoundUpdates.losses`` (the
+    #: default, to be safe). False lets the trainer skip the forward pass that measures them;
+    #: ``losses`` is then the first epoch's mean training loss (``/rounds/train_loss``, README).
+    needs_losses: ClassVar[bool] = True
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         self.seed = check_seed(seed)

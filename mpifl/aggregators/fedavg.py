@@ -28,6 +28,8 @@ class FedAvg(Aggregator):
             samples at all under ``"samples"``.
     """
 
+    needs_losses = False  # reads no RoundUpdates.losses (nor do FedProx, Ditto, FedMeta)
+
     class Params(Params):
         #: ``"samples"``: p_k = n_k / sum n_j (the paper); ``"uniform"``: p_k = 1/m.
         weighting: Literal["samples", "uniform"] = "samples"

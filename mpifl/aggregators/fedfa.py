@@ -107,6 +107,7 @@ class FedFa(Aggregator):
     """
 
     needs_num_clients = True
+    needs_losses = False  # its train_accuracy statistic still needs the pre-training pass
 
     class Params(Params):
         #: weight of participation frequency against training accuracy (alpha = 1 - beta).

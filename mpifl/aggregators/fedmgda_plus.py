@@ -54,6 +54,8 @@ class FedMGDAPlus(Aggregator):
             samples.
     """
 
+    needs_losses = False  # reads no RoundUpdates.losses
+
     class Params(Params):
         #: how far each weight may move from n_k / sum n; 0: fixed sample weights on the
         #: normalised updates, 1: the whole simplex (MGDA).

@@ -43,6 +43,7 @@ class UGA(Aggregator):
 
     #: which local computation the server must run for this rule (VmapTrainer's is "sgd")
     trainer_kind: ClassVar[str] = "uga"
+    needs_losses = False  # reads no RoundUpdates.losses (UGATrainer measures them anyway)
 
     class Params(Params):
         #: server step size (> 0).

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
@@ -93,6 +93,13 @@ class VmapTrainer:
             gets ``+ (mu/2) ||w_k - w||^2`` towards the round's global parameters w.
         report_accuracy: also report each client's training accuracy of w, measured with the
             pre-training loss, as the statistic ``train_accuracy`` (FedFa's ACC_k).
+        pretrain_losses: measure the reported losses with a forward pass of w over every
+            client's samples before training (``l_k`` of ALGORITHMS.md §0, what loss-based rules
+            such as FedFV and qFedAvg need). False (rules with ``needs_losses = False``): no
+            such pass unless ``report_accuracy`` asks for it; the reported loss is then the
+            training pass's own: the mean over the client's samples of the minibatch loss of
+            the first epoch, each sample's loss taken at the parameters its minibatch's step
+            started from (equal to ``l_k`` for full-batch training, B = 0).
         memory_budget_mb: clients are trained in chunks whose estimated working memory
             (stacked parameters, gradients, momentum, padded minibatch activations, samples)
             stays below this many MiB; at least one client per chunk.
@@ -119,6 +126,7 @@ class VmapTrainer:
         device: str | torch.device = "cpu",
         prox_mu: float = 0.0,
         report_accuracy: bool = False,
+        pretrain_losses: bool = True,
     ):
         _check_model(model, layout)
         if x.shape[0] != y.shape[0] or y.dim() != 1:
@@ -129,6 +137,7 @@ class VmapTrainer:
                              "weight_decay >= 0, prox_mu >= 0 and memory_budget_mb > 0")
         self.prox_mu = float(prox_mu)
         self.report_accuracy = bool(report_accuracy)
+        self.pretrain_losses = bool(pretrain_losses)
         self.columns = self.columns_for(layout.d, report_accuracy=report_accuracy)
         self.model, self.layout = model, layout
         self.x, self.y = x, y
@@ -140,6 +149,7 @@ class VmapTrainer:
         self._in_numel = math.prod(x.shape[1:])
         self._act_numel = _activation_numel(model, tuple(x.shape[1:]))
         self._step_grad = vmap(grad(self._minibatch_loss))
+        self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
 
     # ------------------------------------------------------------------ public API
 
@@ -189,7 +199,9 @@ class VmapTrainer:
         Returns:
             ``updates``: ``(m, d)`` float32 on ``device``, ``u_k = w - w_k``;
             ``losses``: ``(m,)`` float32 on ``device``, the mean cross-entropy of w on each
-            client's training samples, measured before training (``l_k`` of ALGORITHMS.md §0).
+            client's training samples, measured before training (``l_k`` of ALGORITHMS.md §0);
+            with ``pretrain_losses = False`` (and no ``report_accuracy``) the first epoch's
+            mean training loss instead (see the class docstring).
 
         Raises:
             ValueError: wrong shapes, or a client without samples.
@@ -204,13 +216,26 @@ class VmapTrainer:
         term towards w of coefficient ``prox_mu`` (default: the trainer's)."""
         w = self._check_w(w)
         client_ids, sizes = self._check_clients(client_ids, sample_idx)
-        losses, acc = self._client_stats(w, sample_idx)
+        measure = self.pretrain_losses or self.report_accuracy
+        if measure:  # the forward pass of w over every client's samples, before training
+            losses, acc = self._client_stats(w, sample_idx)
+        else:  # the first epoch's training losses, summed per client by _train_chunk
+            loss_sums = torch.zeros(len(sizes), dtype=torch.float64, device=self.device)
+            acc = torch.full((len(sizes),), math.nan, dtype=torch.float64, device=self.device)
         updates = torch.empty(len(sizes), self.layout.d, device=self.device)
         for chunk in self.plan_chunks(sizes):
             pos = torch.as_tensor(chunk, device=self.device)
-            w_chunk = self._train_chunk(w, round, lr, client_ids[chunk], [sample_idx[i] for i in chunk],
-                                        start=None if start is None else start[pos], prox_mu=prox_mu)
+            loss_out = None if measure else torch.zeros(len(chunk), dtype=torch.float64,
+                                                        device=self.device)
+            w_chunk = self._train_chunk(w, round, lr, client_ids[chunk],
+                                        [sample_idx[i] for i in chunk],
+                                        start=None if start is None else start[pos],
+                                        prox_mu=prox_mu, loss_out=loss_out)
             updates[pos] = w_chunk.neg_().add_(w)  # w - w_k
+            if loss_out is not None:
+                loss_sums[pos] = loss_out
+        if not measure:
+            losses = loss_sums / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
         return updates, losses.float(), acc
 
     @staticmethod
@@ -346,8 +371,12 @@ class VmapTrainer:
 
     def _train_chunk(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
                      sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
-                     prox_mu: float | None = None) -> Tensor:
+                     prox_mu: float | None = None, loss_out: Tensor | None = None) -> Tensor:
         """Local SGD of a chunk of clients; returns their final parameters ``(m, d)``.
+
+        With ``loss_out`` ((m,) float64 zeros), each client's sum over its first epoch's real
+        samples of the minibatch loss (the value of :meth:`_minibatch_loss` at the step's
+        parameters times the real samples of the minibatch) is added into it.
 
         Training starts from w, or from ``start`` (m, d) when given; the proximal term (if
         ``prox_mu``, default the trainer's, is > 0) always pulls towards the round's w.
@@ -378,11 +407,23 @@ class VmapTrainer:
         mu = self.prox_mu if prox_mu is None else float(prox_mu)
         buf: list[Tensor] | None = None
         widths = step_widths(weights_np)
+        if loss_out is not None:  # (m, T) real samples of each first-epoch minibatch, else 0
+            first = np.arange(rows.shape[1])[None, :] < (steps_np // self.epochs)[:, None]
+            loss_weight = torch.as_tensor(weights_np.sum(axis=2) * first, dtype=torch.float64,
+                                          device=self.device)
         for t in range(rows.shape[1]):
             b = int(widths[t])  # columns that are padding in every client cost nothing
             rt = rows[:, t, :b]
             extras = self._batch_extras(sample_rows[:, t, :b]) if self._has_extras else ()
-            grads = list(self._step_grad(params, xs[rt], ys[rt], *extras, weights[:, t, :b]).values())
+            flat_rt = rt.reshape(-1)  # index_select: one contiguous gather, not advanced indexing
+            batch = (xs.index_select(0, flat_rt).view(*rt.shape, *xs.shape[1:]),
+                     ys.index_select(0, flat_rt).view(rt.shape), *extras, weights[:, t, :b])
+            if loss_out is None:
+                grads = list(self._step_grad(params, *batch).values())
+            else:
+                g, value = self._step_grad_value(params, *batch)
+                grads = list(g.values())
+                loss_out.add_(value.double() * loss_weight[:, t])
             if mu:  # gradient of (mu/2)||w_k - w||^2 joins the loss gradient
                 torch._foreach_add_(grads, torch._foreach_sub(views, anchor), alpha=mu)
             masked = bool(steps_np.min() <= t)

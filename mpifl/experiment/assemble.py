@@ -63,13 +63,16 @@ def build_parts(cfg: Config) -> Parts:
 
 def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
     """The trainer class of the selected rule and its keyword options: the client section,
-    overridden by the rule's own (e.g. FedFa's client momentum gamma_c)."""
+    overridden by the rule's own (e.g. FedFa's client momentum gamma_c), and
+    ``pretrain_losses=False`` for rules that read no pre-training losses (``needs_losses``)."""
     c = cfg.client
     rule = aggregators.rule(cfg.server.algorithm)
     options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
                    weight_decay=c.weight_decay, seed=cfg.run.seed,
                    memory_budget_mb=c.memory_budget_mb)
     options.update(rule.client_options(cfg.rule_params()))
+    if not rule.needs_losses:  # no pre-training forward pass unless a statistic needs it
+        options["pretrain_losses"] = False
     return TRAINERS[rule.trainer_kind], options
 
 
