@@ -150,3 +150,15 @@ def test_config_stored_before_the_layers_still_loads_and_resumes():
     old = config_from_json((ROOT / "tests" / "data" / "config_before_layers.json").read_text())
     assert config_diff(old, load_config(MAIN_JOB)) == []
     assert old.plugins.modules == [] and old.fedmeta.weighting == "samples"  # new keys: defaults
+
+
+@pytest.mark.parametrize("command", ["run", "sweep"])
+def test_a_file_that_is_not_utf8_is_refused_in_one_line(command, tmp_path, capsys):
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[run]\nname = "caf\xe9"\n'.encode("latin-1"))
+    out = tmp_path / "out"
+    argv = [command, str(bad), "--out", str(out / ("r.h5" if command == "run" else "sw"))]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not UTF-8 text" in err[0], err
+    assert not out.exists()

@@ -26,6 +26,8 @@ class TrimmedMean(Aggregator):
         ValueError: ``trim`` outside [0, 0.5).
     """
 
+    needs_losses = False  # it never reads r.losses: clients skip the pre-training pass
+
     class Params(Params):
         #: share of the updates dropped at each end of every coordinate; 0: the plain mean.
         trim: float = Field(0.1, ge=0.0, lt=0.5)
