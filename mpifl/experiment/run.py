@@ -126,12 +126,7 @@ def plan_start(cfg: Config | None, out: Path, mode: str, rounds: int | None = No
             if diffs := config_diff(config_from_json(own), stored):
                 raise OutputError(f"{ckpt.path} belongs to another run than {out}: "
                                   + "; ".join(diffs))
-        if rounds is not None:
-            stored = _with_rounds(stored, rounds)
-        if cfg is None:
-            cfg = stored
-        elif diffs := config_diff(stored, cfg):
-            raise ConfigError(f"cannot resume {out} with a changed config: " + "; ".join(diffs))
+        cfg = _resume_config(stored, cfg, rounds, out)
         if ckpt.round > cfg.run.rounds:
             raise ConfigError(f"run.rounds: {cfg.run.rounds} is less than the {ckpt.round} rounds "
                               f"already run in {out}")
@@ -165,16 +160,26 @@ def _start_without_checkpoint(cfg: Config | None, out: Path, folder: Path,
         where = "is not a folder" if folder.exists() else "is missing"
         raise OutputError(f"{out} has {done} completed round(s) but no checkpoint to continue "
                           f"from ({folder} {where}); pass --overwrite to run it again")
-    stored = config_from_json(res["attrs"]["config"])
-    if rounds is not None:
-        stored = _with_rounds(stored, rounds)
-    if cfg is None:
-        cfg = stored
-    elif diffs := config_diff(stored, cfg):
-        raise ConfigError(f"cannot resume {out} with a changed config: " + "; ".join(diffs))
+    cfg = _resume_config(config_from_json(res["attrs"]["config"]), cfg, rounds, out)
     log.info("no checkpoint of %s yet and no completed round: starting at round 0", out)
     preflight(out)
     return Start(cfg)
+
+
+def _resume_config(stored: Config, cfg: Config | None, rounds: int | None, out: Path) -> Config:
+    """The config a resumed run continues with: the stored one (``rounds`` replacing its
+    run.rounds), or the requested one when it differs only in what a resume may change.
+
+    Raises:
+        ConfigError: a bad ``rounds``, or other differences (listed).
+    """
+    if rounds is not None:
+        stored = _with_rounds(stored, rounds)
+    if cfg is None:
+        return stored
+    if diffs := config_diff(stored, cfg):
+        raise ConfigError(f"cannot resume {out} with a changed config: " + "; ".join(diffs))
+    return cfg
 
 
 def _with_rounds(cfg: Config, rounds: int) -> Config:
