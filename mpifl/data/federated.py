@@ -202,17 +202,9 @@ def split_clients(parts: Sequence[np.ndarray], seed: int, fractions: Sequence[fl
 def _check_args(dataset: str, partition: str, num_clients: int, seed: int,
                 train_fraction: float) -> None:
     if dataset not in DATASETS:
-        try:
-            DATASET_LOADERS.get(dataset)
-        except LookupError:
-            raise DataError(f"unknown dataset '{dataset}' (known: "
-                            f"{', '.join(known_datasets())})") from None
+        _registered(DATASET_LOADERS, dataset, "dataset", known_datasets)
     if partition not in SPECIAL_PARTITIONS:
-        try:
-            PARTITIONERS.get(partition)
-        except LookupError:
-            raise DataError(f"unknown partition '{partition}' (known: "
-                            f"{', '.join(known_partitions())})") from None
+        _registered(PARTITIONERS, partition, "partition", known_partitions)
     if (dataset == "synthetic") != (partition == "natural"):
         raise DataError(f"partition 'natural' goes with dataset 'synthetic' and only with it "
                         f"(got dataset '{dataset}', partition '{partition}')")
@@ -228,6 +220,14 @@ def _check_args(dataset: str, partition: str, num_clients: int, seed: int,
         raise DataError(f"seed must be a non-negative integer, got {seed}")
     if not 0 < train_fraction < 1:
         raise DataError(f"train_fraction must be in (0, 1), got {train_fraction}")
+
+
+def _registered(registry, name: str, kind: str, known) -> None:
+    """DataError naming the known ones unless ``name`` is registered (or an importable path)."""
+    try:
+        registry.get(name)
+    except LookupError:
+        raise DataError(f"unknown {kind} '{name}' (known: {', '.join(known())})") from None
 
 
 def _check_sizes(parts: Sequence[np.ndarray], partition: str) -> None:
