@@ -30,7 +30,7 @@ demo: install data
 	mpifl report runs/main.h5
 
 test: install data slurm-deps
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q --durations=15
 
 bench: install
 	mpifl bench aggregation --algorithms fedfv --m 10,60,200 --d 199210
