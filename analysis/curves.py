@@ -21,7 +21,7 @@ from mpifl.core.errors import MpiflError  # noqa: E402
 from mpifl.store.results import read_results  # noqa: E402
 
 PANELS = [("mean", "mean accuracy (%)", 100.0), ("worst5", "worst-5% accuracy (%)", 100.0),
-          ("std", "std of client accuracy (pp)", 1.0)]
+          ("std", "std of client accuracy (pp)", 100.0)]
 
 
 def plot(paths: list[str], out: Path) -> None:

@@ -1,4 +1,4 @@
-"""The ``mpifl`` command line: run | report | bench | data.
+"""The ``mpifl`` command line: run | resume | sweep | report | export | plot | bench | data.
 
 A user's mistake (bad config, missing data, unwritable output, damaged results file) prints one
 line ``mpifl: error: ...`` on standard error and exits with status 2, never a traceback.
@@ -61,12 +61,38 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mpifl.report.tables import format_table, summarise
+    from mpifl.report.tables import format_table, group_by_seed, summarise
 
+    if args.last < 1:
+        raise MpiflError(f"--last {args.last}: expected at least 1 evaluation")
     if len(args.runs) == 1 and Path(args.runs[0]).is_dir():  # a sweep folder
-        return report_sweep(args.runs[0], as_json=args.json)
-    rows = [summarise(p) for p in args.runs]
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+        return report_sweep(args.runs[0], as_json=args.json, last=args.last)
+    rows = [summarise(p, args.last) for p in args.runs]
+    grouped = group_by_seed(rows)
+    if args.json:
+        print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "config"} for r in rows],
+                          "over_seeds": grouped}, indent=2))
+        return 0
+    print(format_table(rows))
+    if len(grouped) < len(rows):  # some runs differ only in their seed
+        print("\nover seeds (mean ± sample std):\n" + format_table(grouped))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``mpifl export RUNS --csv DIR | --parquet DIR``: rounds, evals and clients tables."""
+    from mpifl.report.export import export
+
+    for path in export(args.runs, Path(args.csv or args.parquet), "csv" if args.csv else "parquet"):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """``mpifl plot curves|clients RUNS --out F.png``."""
+    from mpifl.report.plots import plot
+
+    print(f"wrote {plot(args.plot, args.runs, Path(args.out))}")
     return 0
 
 
@@ -164,10 +190,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_sweep_parser(sub)
 
-    rep = sub.add_parser("report", help="fairness table of runs at their last evaluation")
+    rep = sub.add_parser("report", help="fairness table of runs; seeds averaged (mean ± std)")
     rep.add_argument("runs", nargs="+", help="results files (.h5), or one sweep folder")
+    rep.add_argument("--last", type=int, default=3, metavar="K",
+                     help="average each run's last K evaluations (default 3)")
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=cmd_report)
+
+    ex = sub.add_parser("export", help="results as long-form tables (CSV or Parquet) for pandas, "
+                                       "R, spreadsheets")
+    ex.add_argument("runs", nargs="+", help="results files (.h5), or one sweep folder")
+    fmt = ex.add_mutually_exclusive_group(required=True)
+    fmt.add_argument("--csv", metavar="DIR", help="write DIR/{rounds,evals,clients}.csv")
+    fmt.add_argument("--parquet", metavar="DIR", help="write DIR/{rounds,evals,clients}.parquet "
+                                                      "(pip install 'mpifl[parquet]')")
+    ex.set_defaults(func=cmd_export)
+
+    pl = sub.add_parser("plot", help="figures of runs (PNG; pip install 'mpifl[plot]')")
+    pl.add_argument("plot", choices=["curves", "clients"],
+                    help="curves: mean, worst-5%% accuracy and std over rounds (mean ± std band "
+                         "over seeds); clients: each client's final accuracy, per algorithm")
+    pl.add_argument("runs", nargs="+", help="results files (.h5), or one sweep folder")
+    pl.add_argument("--out", required=True, help="PNG file to write")
+    pl.set_defaults(func=cmd_plot)
 
     b = sub.add_parser("bench", help="benchmarks that print ratios against a baseline")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -224,7 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     keep_large_blocks()  # before the first big tensor: per-step buffers then reuse the heap
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left (| head) is seen here
+        return status
+    except BrokenPipeError:
+        # the reader of our output stopped (`mpifl sweep F --dry-run | head`): end quietly, with
+        # the status of a process ended by SIGPIPE (128 + 13), as a shell reports it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except MpiflError as exc:
         if _env_rank() == 0:
             print("mpifl: error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line

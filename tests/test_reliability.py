@@ -253,7 +253,7 @@ ROW = {"round": 0, "num_clients": 3, "train_loss": 1.5, "lr": 0.1, "conflicts_mo
        "time_gather": 0.0, "time_aggregate": 0.01, "time_eval": 0.0, "time_checkpoint": 0.02,
        "peak_rss_server_mb": 512.0, "peak_rss_worker_mb": 600.0,
        "conflicts_layer": np.array([1, 0])}
-SUMMARY = {"mean": 0.5, "weighted_mean": 0.5, "std": 10.0, "worst5": 0.1, "best5": 0.9,
+SUMMARY = {"mean": 0.5, "weighted_mean": 0.5, "std": 0.1, "worst5": 0.1, "best5": 0.9,
            "cf": 0.3, "fair_angle": 0.2}
 
 

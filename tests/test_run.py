@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from mpifl.cli import main
+from mpifl.data import load_federated
+from mpifl.runtime.server import select_clients
 from mpifl.store.results import ROUND_COLUMNS
 from tests.helpers import mpiexec, write_fmnist_job
 
@@ -73,7 +75,7 @@ def runs(small_job, tmp_path_factory) -> dict[int, Path]:
 def test_results_file_has_the_documented_layout(runs):
     with h5py.File(runs[3], "r") as f:
         assert f.attrs["status"] == "complete" and f.attrs["world_size"] == 3
-        assert f.attrs["schema_version"] == 1 and '"algorithm": "fedfv"' in f.attrs["config"]
+        assert f.attrs["schema_version"] == 2 and '"algorithm": "fedfv"' in f.attrs["config"]
         for col in ROUND_COLUMNS:
             assert f["rounds"][col].shape == (4,), col
         assert list(f["rounds/round"][()]) == [0, 1, 2, 3]
@@ -88,6 +90,15 @@ def test_results_file_has_the_documented_layout(runs):
         assert np.all(f["rounds/num_clients"][()] == 5)
         lc = f["rounds/conflicts_layer"][()]  # 2 layers: fc1, out
         assert lc.shape == (4, 2) and np.all((lc >= 0) & (lc <= 5))
+        num_train = f["clients/num_train"][()]
+        for t, ids in enumerate(f["rounds/selected"][()]):  # the sampler, called directly
+            np.testing.assert_array_equal(ids, select_clients(3, t, num_train, 5, "uniform"))
+        assert f["rounds/aggregated"][()].all()  # no dropout, nothing rejected
+        fed = load_federated("fashion_mnist", partition="shards", num_clients=12, seed=3)
+        for k, row in enumerate(f["clients/label_counts"][()]):  # counted here, one client at a time
+            np.testing.assert_array_equal(row, np.bincount(fed.y[fed.train_indices(k)], minlength=10))
+        np.testing.assert_array_equal(num_train, fed.num_train)
+        assert f["clients/num_test"].shape == (12,) and f["eval/std"].attrs["unit"].startswith("fraction")
 
 
 def test_one_two_three_ranks_give_the_same_accuracies(runs):

@@ -18,8 +18,8 @@ def test_client_summary_by_hand():
     s = client_summary(acc, np.array([10, 30, 20, 40]))
     assert s["mean"] == pytest.approx(0.625)
     assert s["weighted_mean"] == pytest.approx((5 + 30 + 15 + 10) / 100)
-    # population std of [50, 100, 75, 25] percent: sqrt(mean of [12.5^2, 37.5^2, 12.5^2, 37.5^2])
-    assert s["std"] == pytest.approx(math.sqrt((2 * 12.5**2 + 2 * 37.5**2) / 4))
+    # population std of [0.5, 1, 0.75, 0.25] (a fraction): sqrt(mean of [.125^2, .375^2, ...])
+    assert s["std"] == pytest.approx(math.sqrt((2 * 0.125**2 + 2 * 0.375**2) / 4))
     assert s["worst5"] == 0.25 and s["best5"] == 1.0  # max(1, floor(0.05*4)) = 1 client
     cos = acc.sum() / (np.linalg.norm(acc) * 2)
     assert s["fair_angle"] == pytest.approx(math.acos(cos))

@@ -100,6 +100,13 @@ class FederatedData:
         """(K,) int64 local test sizes."""
         return np.diff(self.test_ptr)
 
+    def label_counts(self) -> np.ndarray:
+        """(K, C) int64: each client's training samples per label."""
+        rows = np.repeat(np.arange(self.num_clients), self.num_train)
+        counts = np.zeros((self.num_clients, self.num_classes), dtype=np.int64)
+        np.add.at(counts, (rows, self.y[self.train_idx]), 1)
+        return counts
+
     def train_indices(self, k: int) -> np.ndarray:
         """Client k's train sample indices into x / y (a view, int64)."""
         return self.train_idx[self.train_ptr[k]:self.train_ptr[k + 1]]

@@ -337,7 +337,10 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
                            num_layers=len(parts.layout.layers), algorithm=cfg.server.algorithm,
                            group_metrics=group_setup(parts.fed, device) is not None,
                            personal_metrics=aggregator.personal_models,
-                           history=start.ckpt.history if start.ckpt else None)
+                           history=start.ckpt.history if start.ckpt else None,
+                           clients={"num_train": parts.fed.num_train,
+                                    "num_test": parts.fed.num_test,
+                                    "label_counts": parts.fed.label_counts()})
     try:
         meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None
         server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,

@@ -1,7 +1,8 @@
 """Client-fairness metrics and conflict counts (ALGORITHMS.md §10).
 
-Accuracies are fractions in [0, 1]; ``std`` is in percentage points, as the FedFV paper's "Var."
-column (Wang et al., IJCAI 2021), which is a standard deviation, not a variance.
+Accuracies and their ``std`` are fractions in [0, 1]; reports print the std in percentage
+points, as the FedFV paper's "Var." column (Wang et al., IJCAI 2021), which is a standard
+deviation, not a variance.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def client_summary(accuracy: np.ndarray, num_test: np.ndarray) -> dict[str, floa
 
     Returns:
         ``mean`` (unweighted over clients), ``weighted_mean`` (by test size), ``std`` (population
-        standard deviation, percentage points), ``worst5``/``best5`` (mean accuracy of the lowest /
+        standard deviation, a fraction), ``worst5``/``best5`` (mean accuracy of the lowest /
         highest ``max(1, floor(0.05 K))`` clients), ``fair_angle`` (FedLF's angle between the
         accuracy vector and the all-ones vector, radians; NaN if every accuracy is 0), ``cf``
         (mFairFL's client-fairness violation ``max_k |acc_k - mean acc|``, a fraction).
@@ -38,7 +39,7 @@ def client_summary(accuracy: np.ndarray, num_test: np.ndarray) -> dict[str, floa
     return {
         "mean": float(acc.mean()),
         "weighted_mean": float((acc * weights).sum() / weights.sum()) if weights.sum() > 0 else math.nan,
-        "std": float(100.0 * acc.std()),
+        "std": float(acc.std()),
         "worst5": float(ordered[:tail].mean()),
         "best5": float(ordered[-tail:].mean()),
         "fair_angle": float(math.acos(min(1.0, cos))) if not math.isnan(cos) else math.nan,

@@ -1,4 +1,5 @@
-"""``mpifl report``: the fairness table of one or more runs at their last evaluation, side by side.
+"""``mpifl report``: the fairness table of one or more runs side by side, each metric the mean of
+a run's last ``k`` evaluations, and runs that differ only in their seed as mean ± std over seeds.
 
 Rows are metrics (mean accuracy, std in percentage points, worst/best 5%, Ditto's personal-model
 mean and worst 5%, FedLF's fair angle,
@@ -8,6 +9,8 @@ violations) and, when K <= 10, every client's accuracy; columns are runs.
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +20,12 @@ from mpifl.store.results import read_results
 PER_CLIENT_MAX = 10
 
 
-def summarise(path: str | Path) -> dict[str, Any]:
-    """The last evaluation of a run as plain numbers (accuracies in percent).
+def summarise(path: str | Path, last: int = 1) -> dict[str, Any]:
+    """A run's metrics averaged over its last ``last`` evaluations, as plain numbers
+    (accuracies and violations in percent or percentage points; DP/EO/AP as fractions).
+
+    Averaging a few evaluations steadies the comparison: between evaluations a non-IID run's
+    mean accuracy swings by several points.
 
     Raises:
         OutputError: unreadable or foreign file, or a run with no evaluation yet.
@@ -27,30 +34,74 @@ def summarise(path: str | Path) -> dict[str, Any]:
     ev = res["eval"]
     if ev["round"].size == 0:
         raise OutputError(f"{path}: the run has no evaluation yet")
-    acc = ev["client_accuracy"][-1]
+    k = min(max(1, last), ev["round"].size)
+
+    def tail(name: str, scale: float = 1.0) -> float:
+        return scale * float(ev[name][-k:].mean())
+
+    acc = ev["client_accuracy"][-k:].mean(axis=0)
     row = {
         "run": Path(path).stem,
         "algorithm": res["attrs"].get("algorithm", "?"),
         "status": res["attrs"].get("status", "?"),
+        "seed": res["config"].get("run", {}).get("seed"),
+        "config": res["config"],
         "round": int(ev["round"][-1]),
+        "evals": k,
         "clients": int(acc.size),
-        "mean": 100 * float(ev["mean"][-1]),
-        "std": float(ev["std"][-1]),
-        "worst5": 100 * float(ev["worst5"][-1]),
-        "best5": 100 * float(ev["best5"][-1]),
-        "fair_angle": float(ev["fair_angle"][-1]),
+        "mean": tail("mean", 100), "std": tail("std", 100), "worst5": tail("worst5", 100),
+        "best5": tail("best5", 100), "fair_angle": tail("fair_angle"),
     }
     if "cf" in ev:
-        row["cf"] = 100 * float(ev["cf"][-1])
+        row["cf"] = tail("cf", 100)
     for key in ("dp", "eo", "ap"):
         if f"group/{key}" in ev:
-            row[key] = float(ev[f"group/{key}"][-1])
+            row[key] = tail(f"group/{key}")
     for key in ("mean", "worst5"):  # Ditto: each client's personal model
         if f"personal/{key}" in ev:
-            row[f"personal_{key}"] = 100 * float(ev[f"personal/{key}"][-1])
+            row[f"personal_{key}"] = tail(f"personal/{key}", 100)
     if acc.size <= PER_CLIENT_MAX:
         row["client_accuracy"] = [100 * float(a) for a in acc]
     return row
+
+
+def group_by_seed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs whose configs differ only in ``run.seed`` (and ``run.name``), as one row each:
+    every numeric metric's mean and sample std (n-1; 0 for one run) over the seeds
+    (``metric`` and ``metric_sd``), ``seeds`` the number of runs, ``runs`` their names."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        cfg = json.loads(json.dumps(row.get("config", {})))
+        for section, key in (("run", "seed"), ("run", "name")):
+            cfg.get(section, {}).pop(key, None)
+        groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(row)
+    out = []
+    for members in groups.values():
+        g = {"run": members[0]["run"] if len(members) == 1 else _common_name(members),
+             "algorithm": members[0]["algorithm"], "seeds": len(members),
+             "runs": [m["run"] for m in members], "round": min(m["round"] for m in members),
+             "evals": min(m["evals"] for m in members)}
+        for key, _, _ in _ROWS:
+            vals = [m[key] for m in members if isinstance(m.get(key), (int, float))]
+            if key not in g and len(vals) == len(members):
+                g[key], g[key + "_sd"] = mean_sd(vals)
+        out.append(g)
+    return out
+
+
+def _common_name(members: list[dict[str, Any]]) -> str:
+    """The runs' names without their seed part (``fedfv-s0``, ``fedfv-s1`` -> ``fedfv-s*``)."""
+    names = [m["run"] for m in members]
+    prefix = names[0][:next((i for i, chars in enumerate(zip(*names)) if len(set(chars)) > 1),
+                            min(map(len, names)))]
+    return prefix + "*"
+
+
+def mean_sd(vals: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n-1; 0 for one value)."""
+    mu = sum(vals) / len(vals)
+    sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+    return mu, sd
 
 
 _ROWS = [
@@ -66,10 +117,19 @@ _ROWS = [
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Metrics down, runs across, as aligned plain text."""
+    """Metrics down, runs across, as aligned plain text; rows from :func:`group_by_seed`
+    print ``mean ± sd`` over their seeds."""
     header = ["metric"] + [r["run"] for r in rows]
-    lines = [[label] + [fmt.format(r[key]) if key in r else "-" for r in rows]
-             for key, label, fmt in _ROWS if any(key in r for r in rows)]
+
+    def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        if key not in r:
+            return "-"
+        text = fmt.format(r[key])
+        return text + " ± " + fmt.format(r[key + "_sd"]) if key + "_sd" in r else text
+
+    extra = [("seeds", "seeds", "{}")] if any("seeds" in r for r in rows) else []
+    lines = [[label] + [cell(r, key, fmt) for r in rows]
+             for key, label, fmt in _ROWS + extra if any(key in r for r in rows)]
     k = max(len(r.get("client_accuracy", [])) for r in rows)
     for i in range(k):
         lines.append([f"client {i} (%)"] + [
@@ -79,5 +139,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out = ["  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(line, widths)))
            for line in [header, *lines]]
     out.insert(1, "  ".join("-" * w for w in widths))
+    evals = sorted({r["evals"] for r in rows if "evals" in r})
+    if evals and evals != [1]:
+        out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")
     return "\n".join(out)
 

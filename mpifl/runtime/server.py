@@ -134,7 +134,8 @@ class Server:
                "conflicts_layer": np.zeros(len(self.layers), dtype=np.int64),
                "bytes_moved": 0, "time_broadcast": 0.0, "time_train": 0.0, "time_gather": 0.0,
                "time_aggregate": 0.0, "time_eval": 0.0, "time_checkpoint": 0.0,
-               "peak_rss_server_mb": 0.0, "peak_rss_worker_mb": 0.0}
+               "peak_rss_server_mb": 0.0, "peak_rss_worker_mb": 0.0,
+               "selected": selected, "aggregated": np.zeros(len(selected), dtype=bool)}
         if len(ids) == 0:
             return w, row  # everyone dropped out: the model does not move
         res = self.clients.train(rnd, lr, ids, w, self.aggregator.round_inputs(),
@@ -154,6 +155,7 @@ class Server:
             updates = updates[keep]
             stats = {k: v[keep] for k, v in stats.items()}
         kept = ids[keep_np]
+        row["aggregated"] = np.isin(selected, kept)
 
         def loss_at(step: torch.Tensor) -> torch.Tensor:  # an evaluation-only request
             losses, nbytes = self.clients.losses(kept, w - step.to(w))
@@ -190,7 +192,7 @@ class Server:
                             client_summary(rep.personal_accuracy, self.fed.num_test).items()})
         self.writer.append_eval(rnd + 1, acc, loss, summary, personal)
         log.info("round %d/%d: mean acc %.4f, std %.2f pp, worst5 %.4f, best5 %.4f",
-                 rnd + 1, self.cfg.run.rounds, summary["mean"], summary["std"],
+                 rnd + 1, self.cfg.run.rounds, summary["mean"], 100 * summary["std"],
                  summary["worst5"], summary["best5"])
         if not math.isfinite(summary["mean"]):
             log.warning("round %d: non-finite accuracy", rnd + 1)

@@ -35,7 +35,7 @@ import numpy as np
 
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import clean_stale_temporaries
-from mpifl.store.results import SCHEMA_VERSION, MetricHistory
+from mpifl.store.results import READABLE_VERSIONS, SCHEMA_VERSION, MetricHistory
 from mpifl.store.sealed import open_verified, write_atomic
 
 log = logging.getLogger("mpifl.store.checkpoint")
@@ -114,15 +114,16 @@ def read(path: Path) -> Checkpoint:
         with fileobj, h5py.File(fileobj, "r") as f:
             if f.attrs.get("kind") != KIND:
                 raise OutputError(f"{path}: not an mpifl checkpoint")
-            if int(f.attrs.get("schema_version", -1)) != SCHEMA_VERSION:
-                raise OutputError(f"{path}: checkpoint schema version {f.attrs.get('schema_version')} "
-                                  f"is not supported (this mpifl reads {SCHEMA_VERSION})")
+            version = int(f.attrs.get("schema_version", -1))
+            if version not in READABLE_VERSIONS:
+                raise OutputError(f"{path}: checkpoint schema version {version} is not supported "
+                                  f"(this mpifl reads {', '.join(map(str, READABLE_VERSIONS))})")
             if f.attrs.get("digest") != _digest(f):
                 raise OutputError(f"{path}: checksum mismatch (the file is damaged)")
             return Checkpoint(
                 round=int(f.attrs["round"]), w=f["model/global"][()],
                 aggregator=_read_state(f["aggregator"]),
-                history=MetricHistory.from_group(f["history"]),
+                history=MetricHistory.from_group(f["history"], version),
                 config_json=str(f.attrs["config"]), world_size=int(f.attrs["world_size"]),
                 path=path)
     except OutputError:

@@ -6,17 +6,28 @@ Layout (also in the README)::
                                     status ("running" | "complete"), algorithm, num_clients
     /rounds/<column>         (R,)   one row per completed round (see ROUND_COLUMNS)
     /rounds/conflicts_layer  (R, L) per-layer conflict counts (LAYER_COLUMNS)
+    /rounds/selected         (R, m) int64, the clients selected in each round, ascending
+                                    (-1: not recorded, rounds run before schema 2)
+    /rounds/aggregated       (R, m) bool, whether that client's update was aggregated (False:
+                                    dropped out or rejected)
+    /clients/num_train, num_test   (K,)   int64, each client's training / test samples
+    /clients/label_counts    (K, C) int64, each client's training samples per label
     /eval/round              (E,)   int, rounds completed at that evaluation
     /eval/client_accuracy    (E, K) float64, fraction in [0, 1], on each client's local test split
     /eval/client_loss        (E, K) float64, mean cross-entropy
-    /eval/<summary>          (E,)   mean, weighted_mean, worst5, best5, cf (fractions), std
-                                    (percentage points), fair_angle (radians)
+    /eval/<summary>          (E,)   mean, weighted_mean, std, worst5, best5, cf (fractions of 1),
+                                    fair_angle (radians)
     /eval/group/{dp,eo,ap}   (E,)   group-fairness violations on the union of the clients' test
                                     data (only for binary tasks with a sensitive attribute)
     /eval/personal_accuracy, personal_loss   (E, K)  each client's personal model (Ditto only)
     /eval/personal/<summary> (E,)   the summaries of the personal accuracies (Ditto only)
     /model/global            (d,)   float32, final global parameters, named_parameters order
     /model/layer_names, layer_start, layer_stop   (L,) the layer map (module -> slice of /model/global)
+
+Every accuracy (and its std) is a fraction in [0, 1]; percentage points appear only in printed
+reports. Schema 1 (before 2026-11-24) had no /rounds/selected, /rounds/aggregated or /clients and
+stored std in percentage points: :func:`read_results` converts it, so readers see one unit.
+docs/RESULTS.md is the full reference.
 
 The file is rewritten atomically (temporary file, SHA-256 seal, rename) after every evaluation,
 checkpoint and at least every FLUSH_SECONDS, so a run that dies or hits a full disk keeps its
@@ -35,13 +46,15 @@ from typing import Any
 import h5py
 import numpy as np
 
-from mpifl import __version__
+from mpifl.core.version import __version__
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import clean_stale_temporaries
 from mpifl.metrics.summary import SUMMARY_KEYS
 from mpifl.store.sealed import open_verified, write_atomic
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions :func:`read_results` reads (older ones are converted to the current units).
+READABLE_VERSIONS = (1, 2)
 
 #: The results file is rewritten at least this often (and after every evaluation, checkpoint
 #: and at the end): a run that dies loses at most this many seconds of /rounds rows.
@@ -56,7 +69,9 @@ PERSONAL_KEYS = tuple(f"personal/{k}" for k in SUMMARY_KEYS)
 ROUND_COLUMNS: dict[str, tuple[str, str]] = {
     "round": ("i8", "round index t (0-based)"),
     "num_clients": ("i8", "clients whose updates were aggregated"),
-    "train_loss": ("f8", "mean loss of the global model on the selected clients, before training"),
+    "train_loss": ("f8", "mean training loss of the aggregated clients: of the global model "
+                         "before training for rules that need it (needs_losses), else the mean "
+                         "minibatch loss of the first local epoch"),
     "lr": ("f8", "client learning rate lr_t"),
     "conflicts_model": ("i8", "MC: selected clients with u_k . s < 0"),
     "dropped": ("i8", "selected clients that dropped out (client.dropout)"),
@@ -86,6 +101,31 @@ _LATER_COLUMNS = ("time_checkpoint", "peak_rss_server_mb", "peak_rss_worker_mb")
 LAYER_COLUMNS: dict[str, tuple[str, str]] = {
     "conflicts_layer": ("i8", "LC: per layer, selected clients with u_k,l . s_l < 0"),
 }
+
+#: /rounds columns with one value per selected client: (R, m), since schema 2. Rows that a
+#: checkpoint from schema 1 lacks are filled with -1 (selected) and False (aggregated).
+SELECTION_COLUMNS: dict[str, tuple[str, str, int]] = {
+    "selected": ("i8", "client ids selected this round, ascending (-1: not recorded)", -1),
+    "aggregated": ("bool", "the selected client's update was aggregated (not dropped, not "
+                           "rejected)", False),
+}
+
+#: /clients datasets: per-client facts of the federated data, written once.
+CLIENT_COLUMNS: dict[str, str] = {
+    "num_train": "(K,) training samples",
+    "num_test": "(K,) test samples",
+    "label_counts": "(K, C) training samples per label",
+}
+
+
+def _padded(rows: list, dtype: str, fill) -> np.ndarray:
+    """(R, m) from R rows of (m,) values, None rows (not recorded) filled with ``fill``."""
+    width = max((len(r) for r in rows if r is not None), default=0)
+    out = np.full((len(rows), width), fill, dtype=dtype)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, :len(r)] = r
+    return out
 
 
 def preflight(path: Path) -> None:
@@ -118,7 +158,8 @@ class MetricHistory:
         self.personal_metrics = personal_metrics
         self.summary_keys = (SUMMARY_KEYS + (GROUP_KEYS if group_metrics else ())
                              + (PERSONAL_KEYS if personal_metrics else ()))
-        self.rounds: dict[str, list] = {name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS}}
+        self.rounds: dict[str, list] = {
+            name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS, **SELECTION_COLUMNS}}
         self.eval_round: list[int] = []
         self.accuracy: list[np.ndarray] = []
         self.loss: list[np.ndarray] = []
@@ -126,9 +167,11 @@ class MetricHistory:
         self.personal_loss: list[np.ndarray] = []
         self.summary: dict[str, list[float]] = {name: [] for name in self.summary_keys}
 
-    def add_round(self, row: dict[str, float | int]) -> None:
+    def add_round(self, row: dict[str, Any]) -> None:
+        """Append one round's row: every ROUND_COLUMNS and LAYER_COLUMNS key; the
+        SELECTION_COLUMNS keys ((m,) arrays) may be missing (then not recorded)."""
         for name in self.rounds:
-            self.rounds[name].append(row[name])
+            self.rounds[name].append(row.get(name) if name in SELECTION_COLUMNS else row[name])
 
     def add_eval(self, round_done: int, accuracy: np.ndarray, loss: np.ndarray,
                  summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None
@@ -149,6 +192,8 @@ class MetricHistory:
         for name, (dtype, _) in LAYER_COLUMNS.items():
             rows = np.asarray(self.rounds[name], dtype=dtype).reshape(-1, self.num_layers)
             g.create_dataset(f"rounds/{name}", data=rows)
+        for name, (dtype, _, fill) in SELECTION_COLUMNS.items():
+            g.create_dataset(f"rounds/{name}", data=_padded(self.rounds[name], dtype, fill))
         g.create_dataset("eval/round", data=np.asarray(self.eval_round, dtype="i8"))
         for name, rows in self._per_client():
             g.create_dataset(f"eval/{name}", data=np.asarray(rows, dtype="f8").reshape(len(rows), self.num_clients))
@@ -163,14 +208,15 @@ class MetricHistory:
         return out
 
     @classmethod
-    def from_group(cls, g: h5py.Group) -> "MetricHistory":
-        """Inverse of :meth:`to_group` (raises KeyError if a column is missing)."""
+    def from_group(cls, g: h5py.Group, version: int = SCHEMA_VERSION) -> "MetricHistory":
+        """Inverse of :meth:`to_group` (raises KeyError if a column is missing); a history
+        written under schema ``version`` 1 has its std converted to a fraction."""
         h = cls(g["eval/client_accuracy"].shape[1], g["rounds/conflicts_layer"].shape[1],
                 group_metrics="eval/group" in g, personal_metrics="eval/personal_accuracy" in g)
         num_rounds = len(g["rounds/round"])
         for name in h.rounds:
-            if name in _LATER_COLUMNS and f"rounds/{name}" not in g:
-                h.rounds[name] = [0.0] * num_rounds
+            if f"rounds/{name}" not in g and name in (*_LATER_COLUMNS, *SELECTION_COLUMNS):
+                h.rounds[name] = [None if name in SELECTION_COLUMNS else 0.0] * num_rounds
                 continue
             h.rounds[name] = list(g[f"rounds/{name}"][()])
         h.eval_round = g["eval/round"][()].tolist()
@@ -181,6 +227,8 @@ class MetricHistory:
             h.personal_loss = list(g["eval/personal_loss"][()])
         for name in h.summary_keys:
             h.summary[name] = g[f"eval/{name}"][()].tolist()
+            if version == 1 and name in ("std", "personal/std"):  # was percentage points
+                h.summary[name] = [v / 100.0 for v in h.summary[name]]
         return h
 
 
@@ -200,6 +248,8 @@ class ResultsWriter:
         num_clients: K, the width of the per-client evaluation arrays.
         history: rows to write first (a resumed run rewrites its results from its checkpoint);
             kept up to date with every later append, for the next checkpoint.
+        clients: the /clients datasets (CLIENT_COLUMNS: ``num_train``, ``num_test`` (K,) and
+            ``label_counts`` (K, C), int64), or None to leave /clients out.
 
     Raises:
         OutputError: the file cannot be written (the previous file, if any, is untouched).
@@ -207,13 +257,15 @@ class ResultsWriter:
 
     def __init__(self, path: Path, config_json: str, *, world_size: int, num_clients: int,
                  num_layers: int, algorithm: str, group_metrics: bool = False,
-                 personal_metrics: bool = False, history: MetricHistory | None = None):
+                 personal_metrics: bool = False, history: MetricHistory | None = None,
+                 clients: dict[str, np.ndarray] | None = None):
         self.path = Path(path)
         clean_stale_temporaries(self.path.parent, f".{self.path.name}.tmp-")
         self.attrs = {"schema_version": SCHEMA_VERSION, "mpifl_version": __version__,
                       "config": config_json, "world_size": world_size,
                       "num_clients": num_clients, "algorithm": algorithm, "status": "running"}
         self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
+        self.clients = {k: np.asarray(v, dtype=np.int64) for k, v in (clients or {}).items()}
         self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
         self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
         self._pending = self._eval_pending = False
@@ -236,7 +288,11 @@ class ResultsWriter:
             f["rounds"][name].attrs["unit"] = unit
         ev = f["eval"]
         ev["client_accuracy"].attrs["unit"] = "fraction in [0, 1]"
-        ev["std"].attrs["unit"] = "percentage points"
+        ev["std"].attrs["unit"] = "fraction (population std of the clients' accuracies)"
+        for name, (_, unit, _) in SELECTION_COLUMNS.items():
+            f["rounds"][name].attrs["unit"] = unit
+        for name, data in self.clients.items():
+            f.create_dataset(f"clients/{name}", data=data).attrs["unit"] = CLIENT_COLUMNS[name]
         ev["fair_angle"].attrs["unit"] = "radians"
         ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
         if self._model is not None:
@@ -312,12 +368,13 @@ class ResultsWriter:
 
 
 #: /eval datasets that are fractions in [0, 1] (NaN allowed: no test data, or a diverged run).
-_FRACTIONS = ("client_accuracy", "personal_accuracy", "mean", "weighted_mean", "worst5", "best5",
-              "cf", "group/dp", "group/eo", "group/ap") + tuple(
-    f"personal/{k}" for k in ("mean", "weighted_mean", "worst5", "best5", "cf"))
+_FRACTIONS = ("client_accuracy", "personal_accuracy", "mean", "weighted_mean", "std", "worst5",
+              "best5", "cf", "group/dp", "group/eo", "group/ap") + tuple(
+    f"personal/{k}" for k in ("mean", "weighted_mean", "std", "worst5", "best5", "cf"))
 
 
-def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.ndarray]) -> None:
+def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.ndarray],
+                 attrs: dict[str, Any] | None = None) -> None:
     """Refuse values no run can produce (a damaged file that slipped through, e.g. an older
     file without a checksum): fractions outside [0, 1], negative counts or times, rounds out of
     order.
@@ -325,6 +382,8 @@ def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.nda
     Raises:
         OutputError: naming the dataset and the first bad value.
     """
+    attrs = attrs or {}
+
     def bad(name: str, values: np.ndarray, ok: np.ndarray) -> None:
         if not np.all(ok):
             first = np.asarray(values)[~ok].ravel()[0]
@@ -335,7 +394,7 @@ def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.nda
         if name in ev:
             v = np.asarray(ev[name], dtype=np.float64)
             bad(f"/eval/{name}", v, np.isnan(v) | ((v >= 0) & (v <= 1)))
-    for name in ("std", "personal/std", "client_loss", "personal_loss"):
+    for name in ("client_loss", "personal_loss"):
         if name in ev:
             v = np.asarray(ev[name], dtype=np.float64)
             bad(f"/eval/{name}", v, np.isnan(v) | (v >= 0))
@@ -350,6 +409,9 @@ def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.nda
             v = np.asarray(rounds[name], dtype=np.float64)
             bad(f"/rounds/{name}", v, np.isfinite(v) & (v >= 0) if dtype == "i8" or name == "lr"
                 else np.isnan(v) | (v >= 0))
+    if "selected" in rounds and "num_clients" in attrs:
+        v = np.asarray(rounds["selected"])
+        bad("/rounds/selected", v, (v >= -1) & (v < attrs["num_clients"]))
     if "round" in ev:
         r = np.asarray(ev["round"])
         n = len(rounds.get("round", ())) if "round" in rounds else None
@@ -366,7 +428,9 @@ def read_results(path: str | Path) -> dict[str, Any]:
     added are still read), and impossible values are refused (:func:`check_values`).
 
     Returns:
-        ``{"path", "attrs", "config", "rounds": {col: (R,)}, "eval": {name: array}}``.
+        ``{"path", "attrs", "config", "rounds": {col: (R,) or (R, L) or (R, m)},
+        "eval": {name: array}, "clients": {name: array}}`` (``clients`` empty before schema 2),
+        accuracies and their std as fractions whatever the file's schema version.
 
     Raises:
         OutputError: the file is missing, not HDF5, damaged, or not an mpifl results file of a
@@ -381,15 +445,16 @@ def read_results(path: str | Path) -> dict[str, Any]:
             attrs = {k: _plain(v) for k, v in f.attrs.items()}
             if "schema_version" not in attrs or "rounds" not in f or "eval" not in f:
                 raise OutputError(f"{path}: not an mpifl results file")
-            if attrs["schema_version"] != SCHEMA_VERSION:
+            if attrs["schema_version"] not in READABLE_VERSIONS:
                 raise OutputError(
                     f"{path}: schema version {attrs['schema_version']} is not supported "
-                    f"(this mpifl reads {SCHEMA_VERSION})"
+                    f"(this mpifl reads {', '.join(map(str, READABLE_VERSIONS))})"
                 )
             rounds = {k: f["rounds"][k][()] for k in f["rounds"]}
             ev = {k: f["eval"][k][()] for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
             for sub in ("group", "personal"):
                 ev.update({f"{sub}/{k}": f["eval"][sub][k][()] for k in f["eval"].get(sub, {})})
+            clients = {k: f["clients"][k][()] for k in f.get("clients", {})}
     except OutputError:
         raise
     except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ... on damage
@@ -401,8 +466,13 @@ def read_results(path: str | Path) -> dict[str, Any]:
         config = json.loads(attrs.get("config", "{}"))
     except ValueError:
         raise OutputError(f"{path}: stored config is not valid JSON") from None
-    check_values(path, rounds, ev)
-    return {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev}
+    if attrs["schema_version"] == 1:  # std was stored in percentage points
+        for name in ("std", "personal/std"):
+            if name in ev:
+                ev[name] = ev[name] / 100.0
+    check_values(path, rounds, ev, attrs)
+    return {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev,
+            "clients": clients}
 
 
 def _plain(v: Any) -> Any:

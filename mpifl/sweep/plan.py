@@ -19,9 +19,9 @@ from typing import Any
 
 from mpifl.core.errors import ConfigError, OutputError
 from mpifl.experiment.config import parse_override, read_toml
+from mpifl.store.sweep_index import INDEX, read_index  # noqa: F401  (re-exported)
 from mpifl.sweep.spec import Sweep, plain_name
 
-INDEX = "index.json"
 RUNS = "runs"  # the folder of the results files (and their checkpoints), in the sweep folder
 _MISSING = object()
 
@@ -171,30 +171,6 @@ def states(sweep: Sweep, folder: Path, points: list[Point]) -> dict[str, RunStat
             r.status, r.error = "invalid", reason
         runs[p.id] = r
     return runs
-
-
-def read_index(folder: Path) -> dict[str, Any]:
-    """``DIR/index.json`` as a dict (``{"runs": {}}`` when there is none yet).
-
-    Raises:
-        OutputError: the file exists but is not valid JSON, or not an index (a JSON object
-            whose "runs" maps run ids to objects with their "results" and "params").
-    """
-    path = folder / INDEX
-    if not path.exists():
-        return {"runs": {}}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise OutputError(f"{path}: cannot read the sweep index ({exc})") from None
-    runs = data.get("runs") if isinstance(data, dict) else None
-    if not isinstance(runs, dict) or not all(
-            isinstance(r, dict) and isinstance(r.get("results"), str)
-            and isinstance(r.get("params"), dict) for r in runs.values()):
-        raise OutputError(f"{path}: not a sweep index (expected an object with \"runs\": "
-                          "{id: {\"results\": ..., \"params\": ...}}); move it away or use "
-                          "another --out folder")
-    return data
 
 
 def write_index(folder: Path, sweep: Sweep, runs: dict[str, RunState]) -> None:

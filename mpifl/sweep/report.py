@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from mpifl.core.errors import OutputError
+from mpifl.report.tables import mean_sd
 from mpifl.sweep.plan import INDEX, read_index
 from mpifl.sweep.status import results_status
 
@@ -20,9 +21,10 @@ _COLUMNS = [("mean", "mean acc (%)"), ("std", "std (pp)"), ("worst5", "worst 5% 
             ("best5", "best 5% (%)")]
 
 
-def collect(folder: Path) -> list[dict[str, Any]]:
+def collect(folder: Path, last: int = 1) -> list[dict[str, Any]]:
     """One row per run of the sweep in ``folder`` that has an evaluation: its params and
-    :func:`mpifl.report.tables.summarise` metrics (accuracies in %, std in percentage points).
+    :func:`mpifl.report.tables.summarise` metrics (accuracies in %, std in percentage points),
+    each the mean of the run's last ``last`` evaluations.
 
     Raises:
         OutputError: no index in ``folder``, or one that is not a sweep index.
@@ -38,7 +40,7 @@ def collect(folder: Path) -> list[dict[str, Any]]:
         if results_status(path) is None:
             continue
         try:
-            rows.append({"id": rid, "params": run["params"], "path": path, **summarise(path)})
+            rows.append({"id": rid, "params": run["params"], "path": path, **summarise(path, last)})
         except OutputError:
             continue  # no evaluation yet
     return rows
@@ -60,16 +62,9 @@ def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "seeds": len(listed), "complete": sum(m["status"] == "complete" for m in listed),
              "round": min(m["round"] for m in members), "runs": [m["path"] for m in members]}
         for metric in ("mean", "std", "worst5", "best5"):
-            g[metric], g[metric + "_sd"] = _mean_sd([m[metric] for m in members])
+            g[metric], g[metric + "_sd"] = mean_sd([m[metric] for m in members])
         out.append(g)
     return out
-
-
-def _mean_sd(vals: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n-1; 0 for one value)."""
-    mu = sum(vals) / len(vals)
-    sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-    return mu, sd
 
 
 def _setting(params: dict[str, Any]) -> str:
@@ -140,28 +135,33 @@ def _mean_curves(paths: list[Path]):
     evs = [read_results(p)["eval"] for p in paths]
     n = min(len(e["round"]) for e in evs)
     acc = np.mean([100 * e["mean"][:n] for e in evs], axis=0)
-    std = np.mean([e["std"][:n] for e in evs], axis=0)
+    std = np.mean([100 * e["std"][:n] for e in evs], axis=0)
     return evs[0]["round"][:n], acc, std
 
 
-def report_sweep(folder: str | Path, as_json: bool = False) -> int:
+def report_sweep(folder: str | Path, as_json: bool = False, last: int = 1) -> int:
     """``mpifl report DIR``: print the table; write report.md, report.csv and curves PNGs.
 
     Raises:
         OutputError: not a sweep folder, or no run has an evaluation yet.
     """
     folder = Path(folder)
-    groups = group_rows(collect(folder))
+    groups = group_rows(collect(folder, last))
     if not groups:
         raise OutputError(f"{folder}: no run of this sweep has an evaluation yet")
     table = markdown_table(groups)
     (folder / "report.md").write_text(table + "\n")
     write_csv(groups, folder / "report.csv")
-    pngs = plot_curves(groups, folder)
+    try:
+        pngs = plot_curves(groups, folder)
+    except ImportError:  # plotting is an optional extra; the tables do not need it
+        pngs = []
+        print("curves not drawn: matplotlib is not installed (pip install 'mpifl[plot]')",
+              file=sys.stderr)
     if as_json:
         print(json.dumps([{k: v for k, v in g.items() if k != "runs"} for g in groups], indent=2))
     else:
         print(table)
-        print(f"\nwritten: {folder / 'report.md'}, {folder / 'report.csv'}, "
-              + ", ".join(str(p) for p in pngs))
+        print(f"\nwritten: " + ", ".join(str(p) for p in [folder / "report.md",
+                                                            folder / "report.csv", *pngs]))
     return 0

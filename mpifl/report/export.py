@@ -1,0 +1,54 @@
+"""``mpifl export``: runs as long-form tables (CSV or Parquet) for pandas, R or a spreadsheet.
+
+Three files, the tables of :func:`mpifl.report.load.tables`: ``rounds`` (one row per run and
+training round), ``evals`` (per run and evaluation: the summaries) and ``clients`` (per run,
+evaluation and client: accuracy and loss). Accuracies are fractions (docs/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mpifl.core.errors import OutputError
+from mpifl.report.load import load, tables
+
+
+def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
+    """Write ``folder/{rounds,evals,clients}.{csv,parquet}``; each file appears whole or not at
+    all (written to a temporary name, then renamed).
+
+    Args:
+        runs: results files, or one sweep folder.
+        fmt: ``csv`` or ``parquet``.
+
+    Returns:
+        The paths written.
+
+    Raises:
+        OutputError: unreadable runs, an unwritable folder, or Parquet without pyarrow.
+    """
+    if fmt == "parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise OutputError("--parquet needs pyarrow: pip install 'mpifl[parquet]' "
+                              "(or use --csv)") from None
+    source = runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs
+    frames = tables(load(source))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{folder}: cannot create the folder ({exc.strerror})") from None
+    written = []
+    for name, frame in frames.items():
+        path = folder / f"{name}.{fmt}"
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            frame.to_csv(tmp, index=False) if fmt == "csv" else frame.to_parquet(tmp, index=False)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+        written.append(path)
+    return written

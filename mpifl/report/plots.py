@@ -1,0 +1,96 @@
+"""``mpifl plot``: figures of runs, built on :func:`mpifl.load` (matplotlib, an optional extra).
+
+Runs that differ only in their seed form one line: the mean over seeds, with a band of ± one
+sample standard deviation when there are several.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from mpifl.core.errors import OutputError
+from mpifl.report.load import load
+
+#: curves: (variable, panel title, scale to the printed unit)
+CURVES = [("mean", "mean client accuracy (%)", 100.0), ("worst5", "worst-5% accuracy (%)", 100.0),
+          ("std", "std of client accuracy (pp)", 100.0)]
+
+
+def plot(kind: str, runs: list[str], out: Path) -> Path:
+    """Draw ``kind`` (``curves`` or ``clients``) for ``runs`` (results files or one sweep
+    folder) into the PNG ``out``.
+
+    Raises:
+        OutputError: matplotlib missing, unreadable runs, or ``out`` not writable.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise OutputError("mpifl plot needs matplotlib: pip install 'mpifl[plot]'") from None
+    ds = load(runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs)
+    fig = (_curves if kind == "curves" else _clients)(plt, ds)
+    try:
+        fig.savefig(out, dpi=110)
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot write ({exc.strerror})") from None
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _groups(ds) -> dict[str, list[int]]:
+    """Label -> indices of runs that differ only in seed (algorithm and swept values)."""
+    keys = [c for c in ds.coords if ds[c].dims == ("run",) and c not in ("seed", "status")]
+    groups: dict[str, list[int]] = {}
+    for i in range(ds.sizes["run"]):
+        parts = [str(ds[k].values[i]) if k == "algorithm" else f"{k.split('.')[-1]}="
+                 f"{ds[k].values[i]}" for k in keys]
+        groups.setdefault(" ".join(parts), []).append(i)
+    return groups
+
+
+def _curves(plt, ds):
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.3 * len(CURVES), 3.5),
+                             constrained_layout=True)
+    rounds = ds["eval_round"].values
+    for label, idx in _groups(ds).items():
+        for ax, (name, _, scale) in zip(axes, CURVES):
+            values = scale * ds[name].values[idx]  # (runs, evaluations), NaN past a run's end
+            with warnings.catch_warnings():  # rounds no run of this group reached: NaN, no line
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean = np.nanmean(values, axis=0)
+                sd = np.nanstd(values, axis=0, ddof=1) if len(idx) > 1 else None
+            line, = ax.plot(rounds, mean, marker="o", markersize=2.5,
+                            label=f"{label} ({len(idx)} seed{'s' * (len(idx) > 1)})")
+            if sd is not None:
+                ax.fill_between(rounds, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
+    for ax, (_, title, _) in zip(axes, CURVES):
+        ax.set(xlabel="round", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def _clients(plt, ds):
+    """Each client's accuracy at every run's last evaluation, sorted: the lower the left end,
+    the worse the worst clients fare."""
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    acc = ds["accuracy"].values  # (runs, evaluations, clients)
+    for label, idx in _groups(ds).items():
+        finals = []
+        for i in idx:
+            done = np.flatnonzero(~np.isnan(acc[i, :, 0]))
+            finals.append(np.sort(acc[i, done[-1]]) if done.size else np.array([]))
+        pooled = np.sort(np.concatenate(finals))
+        ax.plot(np.linspace(0, 100, pooled.size), 100 * pooled, label=label)
+    ax.set(xlabel="clients, sorted by accuracy (percentile)", ylabel="final accuracy (%)",
+           title="per-client accuracy at the last evaluation")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
