@@ -46,6 +46,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from mpifl.experiment.config import load_config
 
     cfg = load_config(args.config, args.set)  # validated before any rank does work
+    if args.log:  # --log adds to the job's [run] loggers
+        names = list(dict.fromkeys(cfg.run.loggers + args.log))
+        cfg = load_config(args.config, [*args.set, "run.loggers=" + json.dumps(names)])
     from mpifl.experiment.run import default_out, run_experiment
 
     out = Path(args.out) if args.out else default_out(cfg.run.name)
@@ -180,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--resume", action="store_true",
                      help="continue from the newest valid checkpoint if there is one, else start")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--log", action="append", default=[], metavar="LOGGER",
+                   help="live logger on rank 0: csv, tensorboard or wandb (repeatable; adds to "
+                        "the job's [run] loggers)")
     r.set_defaults(func=cmd_run)
 
     res = sub.add_parser("resume", help="continue a run from its newest valid checkpoint")

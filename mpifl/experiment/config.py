@@ -33,6 +33,7 @@ from mpifl.data.federated import DATASETS, SPECIAL_PARTITIONS
 from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS
 from mpifl.data.tabular import TABULAR
 from mpifl.models import MODEL_FACTORIES, MODELS
+from mpifl.runtime.loggers import LOGGERS, missing_requirement
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -54,6 +55,8 @@ class RunConfig(_Section):
     rounds: int = Field(100, ge=1, le=INT32_MAX)
     eval_every: int = Field(10, ge=1, le=INT32_MAX)
     checkpoint_every: int = Field(0, ge=0, le=INT32_MAX)
+    # live loggers on rank 0 (mpifl.runtime.loggers.LOGGERS): "csv", "tensorboard", "wandb"
+    loggers: list[str] = Field(default_factory=list)
 
 
 class PluginsConfig(_Section):
@@ -269,7 +272,7 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 
 #: Keys a resumed run may change: they decide how long it runs, where things go, or how
 #: clients are chunked in memory — never what is computed.
-RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "data.data_root",
+RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.loggers", "data.data_root",
                   "plugins.path",
                   "server.device", "client.memory_budget_mb"}
 
@@ -365,9 +368,22 @@ def _check_names(cfg: Config) -> None:
             raise ConfigError(f"{key}: '{name}': {exc}") from None
 
 
+def _check_loggers(names: list[str]) -> None:
+    """Each of ``run.loggers`` registered, and its optional package installed."""
+    for name in names:
+        if name not in LOGGERS:
+            close = closest(name, LOGGERS.available())
+            hint = f" (did you mean '{close}'?)" if close else ""
+            raise ConfigError(f"run.loggers: unknown logger '{name}'{hint}; known: "
+                              f"{', '.join(LOGGERS.available())}")
+        if advice := missing_requirement(name):
+            raise ConfigError(f"run.loggers: {advice}")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Cross-field rules; names are checked against the registries (the source of truth)."""
     _check_names(cfg)
+    _check_loggers(cfg.run.loggers)
     _check_client_options(cfg)
     d, s = cfg.data, cfg.server
     rule = aggregators.rule(s.algorithm)

@@ -11,6 +11,7 @@ the rounds ends every rank too (:func:`_end_all_ranks`).
 from __future__ import annotations
 
 import logging
+import json
 import shutil
 import sys
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from mpifl.experiment.assemble import (build_parts, device_for, make_trainer, me
 from mpifl.experiment.config import Config, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
 from mpifl.runtime.comm import MPITransport, bcast_text, world
+from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
 from mpifl.runtime.worker import serve
@@ -341,11 +343,12 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
                            clients={"num_train": parts.fed.num_train,
                                     "num_test": parts.fed.num_test,
                                     "label_counts": parts.fed.label_counts()})
+    loggers = LoggerSet(cfg.run.loggers, out, json.loads(cfg.to_json()), first)
     try:
         meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None
         server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,
                         checkpoints=checkpoint.folder_for(out), stop=stop, world_size=size,
-                        meta=meta)
+                        meta=meta, loggers=loggers)
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]
@@ -357,5 +360,6 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
         raise
     finally:
         writer.close()
+        loggers.close()
     log.info("results written to %s%s", out, "" if finished else " (stopped early; resume to continue)")
     return code

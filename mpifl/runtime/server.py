@@ -68,15 +68,17 @@ class Server:
         stop: a :class:`mpifl.runtime.signals.StopRequest`; when set, the loop checkpoints after the
             current round and returns early.
         meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
+        loggers: a :class:`mpifl.runtime.loggers.LoggerSet` told every round, or None.
     """
 
     def __init__(self, cfg, fed, layout, clients, aggregator, writer, device: torch.device,
-                 checkpoints: Path | None = None, stop=None, world_size: int = 1, meta=None):
+                 checkpoints: Path | None = None, stop=None, world_size: int = 1, meta=None,
+                 loggers=None):
         self.cfg, self.fed, self.layout = cfg, fed, layout
         self.clients, self.aggregator, self.writer = clients, aggregator, writer
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
-        self.meta = meta
+        self.meta, self.loggers = meta, loggers
 
     def run(self, w: torch.Tensor, start: int = 0, progress: bool = True) -> tuple[torch.Tensor, bool]:
         """Run rounds ``start .. run.rounds-1``.
@@ -94,12 +96,15 @@ class Server:
         for rnd in bar:
             w, row = self._round(rnd, w)
             self.aggregator.observe_params(w)
+            summary = None
             if eval_due(rnd, rounds, self.cfg.run.eval_every):
                 row["time_eval"], summary = self._evaluate(rnd, w)
                 bar.set_postfix(acc=f"{summary['mean']:.3f}", worst5=f"{summary['worst5']:.3f}")
             stopping = self.stop is not None and self.stop.requested
             due = stopping or rnd + 1 == rounds or (every and (rnd + 1) % every == 0)
             self.writer.append_round(row, flush=not due)  # a checkpoint round writes below
+            if self.loggers is not None:
+                self.loggers.log_round(rnd, row, summary)
             if due:  # the checkpoint first: if the results write then fails, it has the round
                 t0 = time.perf_counter()
                 if self.checkpoint(rnd + 1, w):
