@@ -45,15 +45,43 @@ def _csv_ints(text: str) -> list[int]:
 def cmd_run(args: argparse.Namespace) -> int:
     from mpifl.experiment.config import load_config
 
+    if args.seeds is not None:
+        return _run_seeds(args)
+
     cfg = load_config(args.config, args.set)  # validated before any rank does work
     if args.log:  # --log adds to the job's [run] loggers
         names = list(dict.fromkeys(cfg.run.loggers + args.log))
         cfg = load_config(args.config, [*args.set, "run.loggers=" + json.dumps(names)])
-    from mpifl.experiment.run import default_out, run_experiment
+    from mpifl.experiment.naming import default_out
+    from mpifl.experiment.run import run_experiment
 
-    out = Path(args.out) if args.out else default_out(cfg.run.name)
+    out = Path(args.out) if args.out else default_out(cfg.run.name, args.set)
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
     return run_experiment(cfg, out, mode=mode, progress=not args.no_progress)
+
+
+def _run_seeds(args: argparse.Namespace) -> int:
+    """``mpifl run JOB --seeds 0-4``: a local sweep over the seeds, then its report."""
+    from mpifl.sweep.seeds import default_folder, parse_seeds, run_seeds
+
+    if args.overwrite or args.resume:
+        raise MpiflError("--seeds resumes unfinished runs and skips finished ones by itself; "
+                         "drop --overwrite/--resume (or remove the folder to start over)")
+    if int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))) > 1:
+        raise MpiflError("--seeds starts its own runs: call it without mpiexec/srun "
+                         "(--ranks N sets the MPI ranks of each run)")
+    if args.ranks < 1:
+        raise MpiflError(f"--ranks {args.ranks}: expected at least 1")
+    seeds = parse_seeds(args.seeds)
+    folder = Path(args.out) if args.out else default_folder(Path(args.config), args.set)
+    runs = run_seeds(Path(args.config), args.set, seeds, folder, ranks=args.ranks)
+    failed = [r.id for r in runs.values() if r.status != "complete"]
+    if failed:
+        raise MpiflError(f"{len(failed)} of {len(runs)} runs did not complete ({', '.join(failed)}); "
+                         f"logs under {folder}/logs; run the same command again to resume them")
+    report_sweep(folder, last=3)
+    print(f"\n{len(runs)} seeds in {folder}; again with: mpifl report {folder}")
+    return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -176,13 +204,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("config", help="TOML experiment file (see jobs/)")
     r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value; lists as [0,1]; repeatable")
-    r.add_argument("--out", help="results file (default runs/<run.name>.h5)")
+    r.add_argument("--out", help="results file (default runs/<run.name>.h5, or "
+                                 "runs/<run.name>_<values set>.h5 with --set)")
     how = r.add_mutually_exclusive_group()
     how.add_argument("--overwrite", action="store_true",
                      help="replace an existing results file and its checkpoints")
     how.add_argument("--resume", action="store_true",
                      help="continue from the newest valid checkpoint if there is one, else start")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--seeds", metavar="SEEDS",
+                   help="run once per seed (0-4 or 0,2,5) as a local sweep; --out is then its "
+                        "folder (default runs/sweeps/<name>-seeds); prints mean ± std over seeds")
+    r.add_argument("--ranks", type=int, default=1,
+                   help="with --seeds: MPI ranks of each run (default 1)")
     r.add_argument("--log", action="append", default=[], metavar="LOGGER",
                    help="live logger on rank 0: csv, tensorboard or wandb (repeatable; adds to "
                         "the job's [run] loggers)")

@@ -85,20 +85,6 @@ def one_line(exc: BaseException) -> str:
     return f"{what} (unexpected; mpifl -v logs the traceback)"
 
 
-def default_out(name: str) -> Path:
-    """The default results path ``runs/<run.name>.h5``; ``run.name`` must be a plain name.
-
-    Raises:
-        ConfigError: a name with a path separator, ``..`` or an absolute path (it would write
-            outside the runs folder).
-    """
-    if (not name or "/" in name or "\\" in name or "\0" in name or name in (".", "..")
-            or Path(name).is_absolute()):
-        raise ConfigError(f"run.name = {name!r}: not a plain file name (no '/', '..' or absolute "
-                          "path), so it cannot name runs/<run.name>.h5; pass --out PATH instead")
-    return Path("runs") / f"{name}.h5"
-
-
 def plan_start(cfg: Config | None, out: Path, mode: str, rounds: int | None = None) -> Start:
     """Rank 0: how the run at ``out`` starts. Reads only: nothing is deleted or truncated here
     except a replaced run's checkpoints (``overwrite``), so a refusal leaves every file as it was.

@@ -20,7 +20,8 @@ from typing import Any
 from mpifl.core.errors import ConfigError, OutputError
 from mpifl.experiment.config import parse_override, read_toml
 from mpifl.store.sweep_index import INDEX, read_index  # noqa: F401  (re-exported)
-from mpifl.sweep.spec import Sweep, plain_name
+from mpifl.experiment.naming import plain_name, run_id  # noqa: F401  (re-exported)
+from mpifl.sweep.spec import Sweep
 
 RUNS = "runs"  # the folder of the results files (and their checkpoints), in the sweep folder
 _MISSING = object()
@@ -73,17 +74,6 @@ def toml_value(v: Any) -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
     return json.dumps(v)
-
-
-def run_id(params: dict[str, Any]) -> str:
-    """The run's file name stem: its varied values, characters outside ``[A-Za-z0-9._+-]``
-    replaced, so that the id is one path component under ``runs/``."""
-    parts = []
-    for key, v in params.items():
-        text = "-".join(map(str, v)) if isinstance(v, list) else str(v)
-        parts.append(text if key == "server.algorithm" else key.split(".")[1] + text)
-    rid = re.sub(r"[^A-Za-z0-9._+-]+", "-", "_".join(parts))
-    return rid if plain_name(rid) else "run"
 
 
 def results_path(rid: str) -> str:

@@ -149,7 +149,8 @@ def report_sweep(folder: str | Path, as_json: bool = False, last: int = 1) -> in
     groups = group_rows(collect(folder, last))
     if not groups:
         raise OutputError(f"{folder}: no run of this sweep has an evaluation yet")
-    table = markdown_table(groups)
+    table = markdown_table(groups) + (f"\n\nEach run: the mean of its last {last} evaluations; "
+                                      "then mean ± sample std over seeds." if last > 1 else "")
     (folder / "report.md").write_text(table + "\n")
     write_csv(groups, folder / "report.csv")
     try:

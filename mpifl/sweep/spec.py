@@ -38,17 +38,11 @@ from typing import Any
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator, model_validator)
 
+from mpifl.experiment.naming import plain_name
 from mpifl.core.errors import ConfigError
 from mpifl.experiment.config import read_toml
 
 _TABLE = ConfigDict(frozen=True, extra="forbid")
-
-
-def plain_name(name: str) -> bool:
-    """Whether ``name`` is one path component: it then cannot lead outside the folder it names
-    something in (no separator, ``..``, or absolute path)."""
-    return bool(name) and not any(c in name for c in "/\\\0") and name not in (".", "..") \
-        and not PurePath(name).is_absolute()
 
 
 class SweepHead(BaseModel):
