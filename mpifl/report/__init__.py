@@ -1,4 +1,5 @@
-"""report — what a finished run says: the fairness table of one or several results files.
+"""report — what runs say: the fairness table (seeds averaged), ``mpifl.load`` (an xarray Dataset
+of results files or a sweep folder), long-form tables and their export, figures.
 
 May import: core, metrics, store.  Never imports: runtime, experiment, sweep, bench, cli.
 """

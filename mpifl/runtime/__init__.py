@@ -1,5 +1,5 @@
 """runtime — a run in motion: the MPI round protocol on flat buffers, where clients live (in
-process or on worker ranks), the server's and the workers' round loops, signals, the heap.
+process or on worker ranks), the server's and the workers' round loops, live loggers, signals, the heap.
 
 May import: core, metrics, data, models, aggregators, store, clients.
 Never imports: report, experiment, sweep, bench, cli.
