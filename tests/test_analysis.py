@@ -130,3 +130,10 @@ def test_plot_writes_a_png(runs, tmp_path, kind):
     out = tmp_path / f"{kind}.png"
     assert main(["plot", kind, *map(str, runs.values()), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_group_runs_that_differ_only_in_seed(runs):
+    from mpifl.report.plots import _groups
+
+    ds = mpifl.load(list(runs.values()))
+    assert _groups(ds) == {"fedavg rounds=4": [0, 1], "fedfv rounds=6": [2]}

@@ -46,7 +46,7 @@ def plot(kind: str, runs: list[str], out: Path) -> Path:
 
 def _groups(ds) -> dict[str, list[int]]:
     """Label -> indices of runs that differ only in seed (algorithm and swept values)."""
-    keys = [c for c in ds.coords if ds[c].dims == ("run",) and c not in ("seed", "status")]
+    keys = [c for c in ds.coords if ds[c].dims == ("run",) and c not in ("run", "seed", "status")]
     groups: dict[str, list[int]] = {}
     for i in range(ds.sizes["run"]):
         parts = [str(ds[k].values[i]) if k == "algorithm" else f"{k.split('.')[-1]}="

@@ -80,6 +80,7 @@ def group_by_seed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         g = {"run": members[0]["run"] if len(members) == 1 else _common_name(members),
              "algorithm": members[0]["algorithm"], "seeds": len(members),
              "runs": [m["run"] for m in members], "round": min(m["round"] for m in members),
+             "clients": members[0]["clients"],
              "evals": min(m["evals"] for m in members)}
         for key, _, _ in _ROWS:
             vals = [m[key] for m in members if isinstance(m.get(key), (int, float))]
