@@ -1,6 +1,7 @@
 """VmapTrainer against a plain per-client loop (the oracle): local SGD, losses and evaluation."""
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -265,3 +266,38 @@ def test_evaluate_matches_per_client_loop():
     assert len(set(acc.tolist())) > 1  # clients really differ
     acc_e, loss_e = trainer.evaluate(w, [idx[0], np.array([], dtype=np.int64)])
     assert np.isnan(acc_e[1]) and np.isnan(loss_e[1]) and acc_e[0] == acc[0]
+
+
+# --------------------------------------------------------------------------- the batched MLP path
+
+def test_stacked_mlp_path_equals_the_vmapped_path():
+    """The MLP family trains through mpifl.clients.stacked; vmap(grad) is its oracle."""
+    from torch.func import grad, grad_and_value, vmap
+
+    model, layout, x, y, idx = setup(sizes=(23, 7, 40, 1))
+    kw = dict(epochs=2, batch_size=6, momentum=0.9, weight_decay=0.01, prox_mu=0.1)
+    fast = VmapTrainer(model, layout, x, y, **kw)
+    slow = VmapTrainer(model, layout, x, y, **kw)
+    assert isinstance(fast._step_grad, functools.partial)  # the batched path was chosen
+    slow._step_grad = vmap(grad(slow._minibatch_loss))
+    slow._step_grad_value = vmap(grad_and_value(slow._minibatch_loss))
+    w = layout.flatten_module(model)
+    ids = np.array([3, 1, 8, 5])
+    (u, l), (u_ref, l_ref) = fast.train(w, 2, 0.1, ids, idx), slow.train(w, 2, 0.1, ids, idx)
+    assert u_ref.abs().max() > 1e-3
+    torch.testing.assert_close(u, u_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(l, l_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_stacked_path_only_where_it_applies():
+    from mpifl.clients import UGATrainer
+    from mpifl.clients.stacked import stacked_forward
+
+    for name, output, applies in (("mlp", "logits", True), ("logreg", "logits", True),
+                                  ("mlp", "softmax", False), ("cnn_mnist", "logits", False)):
+        shape = (1, 28, 28) if name == "cnn_mnist" else (12,)
+        model = build_model(name, shape, 4, hidden=(16, 8), output=output, seed=0)
+        assert (stacked_forward(model) is not None) == applies, (name, output)
+    model, layout, x, y, _ = setup()
+    uga = UGATrainer(model, layout, x, y, epochs=1, batch_size=5)
+    assert not isinstance(uga._step_grad, functools.partial)  # keep-trace needs vmap(grad)

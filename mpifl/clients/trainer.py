@@ -4,7 +4,9 @@ Local training is FedAvg's client update (McMahan et al., AISTATS 2017): E epoch
 SGD on the client's data, starting from the global parameters w, reporting ``u_k = w - w_k``
 (ALGORITHMS.md §0-1). Instead of looping over clients, :class:`VmapTrainer` stacks the parameters of
 a chunk of clients into an ``(m, d)`` tensor and takes one ``torch.func.vmap(grad(loss))`` step
-for all of them per step index (the torch.func "model ensembling" pattern). Clients with fewer
+for all of them per step index (the torch.func "model ensembling" pattern; for the plain MLP
+family :mod:`mpifl.clients.stacked` takes the same step with batched matmuls and one backward,
+faster, with the vmapped step as its oracle). Clients with fewer
 samples, hence fewer or smaller minibatches, are padded and masked instead of looped:
 
 - every minibatch is padded to a common length with per-sample weight 0, and the loss is the
@@ -19,6 +21,7 @@ of differently shaped batched kernels).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
+from mpifl.clients.stacked import stacked_ce_grad, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
 
@@ -150,6 +154,12 @@ class VmapTrainer:
         self._act_numel = _activation_numel(model, tuple(x.shape[1:]))
         self._step_grad = vmap(grad(self._minibatch_loss))
         self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
+        forward = (stacked_forward(model) if self._plain_steps
+                   and type(self)._minibatch_loss is VmapTrainer._minibatch_loss
+                   and not self._has_extras else None)
+        if forward is not None:  # the plain MLP family: batched matmuls, one backward (faster)
+            self._step_grad = functools.partial(stacked_ce_grad, forward)
+            self._step_grad_value = functools.partial(stacked_ce_grad, forward, with_value=True)
 
     # ------------------------------------------------------------------ public API
 
@@ -356,6 +366,9 @@ class VmapTrainer:
 
     #: True when :meth:`_batch_extras` adds per-sample inputs to the minibatch loss.
     _has_extras = False
+    #: False in subclasses that differentiate through the gradient steps (UGA's keep-trace):
+    #: the batched path of :mod:`mpifl.clients.stacked` returns detached gradients.
+    _plain_steps = True
 
     def _batch_extras(self, sample_rows: np.ndarray) -> tuple[Tensor, ...]:
         """Extra per-sample tensors (m, Bp, ...) of one step's minibatches, passed to

@@ -84,6 +84,8 @@ class UGATrainer(VmapTrainer):
         ValueError: as VmapTrainer; ``max_traced_clients < 1``; a non-zero ``prox_mu``.
     """
 
+    _plain_steps = False  # the keep-trace differentiates through every step's gradient
+
     #: what :meth:`train` returns per client (the server's aggregator must expect gradients)
     returns: str = "gradient"
 
