@@ -20,10 +20,10 @@ data:
 
 # SLURM for tests/test_slurm.py (a one-node cluster, slurm/local-cluster.sh): Debian's packages.
 slurm-deps:
-	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then \
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null; then \
 	  echo "SLURM: $$(slurmctld -V)"; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd munge; \
-	else echo "SLURM missing: sudo apt-get install slurmctld slurmd munge (tests/test_slurm.py needs them)"; exit 1; fi
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd munge iproute2; \
+	else echo "SLURM missing: sudo apt-get install slurmctld slurmd munge iproute2 (tests/test_slurm.py and tests/test_multinode.py need them)"; exit 1; fi
 
 demo: install data
 	mpiexec -n $(RANKS) mpifl run jobs/fmnist-fedfv.toml --out runs/main.h5 --overwrite

@@ -7,12 +7,21 @@
 #   eval "$(slurm/local-cluster.sh env)"   # export SLURM_CONF for srun/sbatch/squeue/submitit
 #   slurm/local-cluster.sh status   # daemons, sinfo; exit 0 only when the node is usable
 #   slurm/local-cluster.sh down     # cancel its jobs, stop only the daemons it started
+#   slurm/local-cluster.sh up --nodes 3   # three nodes, each in its own namespaces (below)
 #
 # Everything (munge key and socket, slurm.conf, spool, logs, pid files) lives in one folder,
 # $MPIFL_SLURM_DIR (default /tmp/mpifl-slurm); nothing under /etc is touched, so a system
 # SLURM or munge keeps running undisturbed.  Ports: $MPIFL_SLURM_PORT (slurmctld, default 16817)
 # and the next one (slurmd).  The node is `hostname` with CPUs=$(nproc) (override with
 # $MPIFL_SLURM_CPUS) and one partition, $MPIFL_SLURM_PARTITION (default "debug").
+#
+# With --nodes N (N > 1) every node is a Linux network + UTS + mount + IPC namespace
+# ("mpifl-n1" .. "mpifl-nN", addresses 10.77.0.11.. on the bridge mpiflbr0, whose 10.77.0.1 is
+# the controller's) running its own slurmd, with its own hostname, boot id, /dev/shm and
+# /etc/hosts, so MPI between nodes goes over TCP as between machines. munged and slurmctld run
+# on the host. Each node gets CPUs=$MPIFL_SLURM_CPUS (default nproc): the nodes share this
+# machine's cores, i.e. they over-subscribe it N times. `down` removes every namespace, link,
+# mount and daemon it made.
 set -euo pipefail
 
 DIR=${MPIFL_SLURM_DIR:-/tmp/mpifl-slurm}
@@ -33,7 +42,7 @@ pid_of() {
     [[ -s $f ]] || return 1
     pid=$(<"$f")
     [[ -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$1" || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "${1%%-*}" || return 1  # slurmd-NODE: slurmd
     echo "$pid"
 }
 
@@ -133,6 +142,138 @@ wait_idle() {  # the node is usable (idle/mixed/allocated), or fail after 60 s
     die "node $HOST is not ready (state '${state:-unknown}'); see $DIR/log/"
 }
 
+# ---------------------------------------------------------------- several nodes (--nodes N)
+
+BRIDGE=mpiflbr0
+NET=10.77.0
+
+node_names() { local i; for ((i = 1; i <= $1; i++)); do echo "mpifl-n$i"; done; }
+nodes_up() { if [[ -s $DIR/nodes ]]; then cat "$DIR/nodes"; else echo 1; fi; }
+
+write_multi_config() {  # write_multi_config N
+    local n=$1 i mem
+    mkdir -p "$DIR"/{etc,munge,run,log,spool/ctld,node}
+    chmod 700 "$DIR/munge"
+    mem=$(awk -v n="$n" '/MemTotal/ {printf "%d", $2 / 1024 * 0.9 / n}' /proc/meminfo)
+    { echo "127.0.0.1 localhost"; echo "$NET.1 $HOST"
+      for ((i = 1; i <= n; i++)); do echo "$NET.$((10 + i)) mpifl-n$i"; done; } >"$DIR/etc/hosts"
+    cat >"$CONF" <<EOF
+# Written by mpifl slurm/local-cluster.sh: $n namespace nodes on one machine.
+ClusterName=mpifl-local
+SlurmctldHost=$HOST($NET.1)
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$SOCKET,cred_expire=5
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation=$DIR/spool/ctld
+SlurmdSpoolDir=$DIR/spool/d-%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=pmi2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+ReturnToService=2
+SlurmdTimeout=20
+MessageTimeout=10
+InactiveLimit=0
+KillWait=30
+MinJobAge=300
+JobRequeue=1
+EOF
+    for ((i = 1; i <= n; i++)); do
+        echo "NodeName=mpifl-n$i NodeAddr=$NET.$((10 + i)) CPUs=$CPUS RealMemory=$mem State=UNKNOWN" >>"$CONF"
+    done
+    echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >>"$CONF"
+}
+
+make_network() {  # make_network N: the bridge (controller side) and one veth + netns per node
+    local n=$1 i
+    ip link add "$BRIDGE" type bridge
+    ip addr add "$NET.1/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for ((i = 1; i <= n; i++)); do
+        ip netns add "mpifl-n$i"
+        ip link add "mpv$i" type veth peer name eth0 netns "mpifl-n$i"
+        ip link set "mpv$i" master "$BRIDGE" up
+        ip -n "mpifl-n$i" addr add "$NET.$((10 + i))/24" dev eth0
+        ip -n "mpifl-n$i" link set eth0 up
+        ip -n "mpifl-n$i" link set lo up
+    done
+}
+
+start_node() {  # start_node I: slurmd in node I's namespaces (hostname, cgroup fs, boot id, shm, hosts)
+    local name="mpifl-n$1"
+    mkdir -p "$DIR/node/$name"
+    cat /proc/sys/kernel/random/uuid >"$DIR/node/$name/boot_id"
+    # `ip netns exec` mounts a fresh sysfs without cgroups: slurmd wants /sys/fs/cgroup with a
+    # (here empty, private) named v1 hierarchy. UCX tells machines apart by boot_id and shares
+    # memory through /dev/shm, so each node gets its own of both: MPI between nodes uses TCP.
+    ip netns exec "$name" unshare --uts --ipc --mount --propagation private bash -c "
+        set -e
+        hostname $name
+        mount -t tmpfs none /sys/fs/cgroup
+        mkdir -p /sys/fs/cgroup/systemd
+        mount -t cgroup -o none,name=$name cgroup /sys/fs/cgroup/systemd
+        mount --bind $DIR/node/$name/boot_id /proc/sys/kernel/random/boot_id
+        mount -t tmpfs none /dev/shm
+        mount --bind $DIR/etc/hosts /etc/hosts
+        exec slurmd -f $CONF -N $name" || die "slurmd of $name failed; see $DIR/log/slurmd-$name.log"
+}
+
+wait_nodes() {  # every node usable, or fail after 60 s
+    local i ready=0
+    for ((i = 0; i < 120; i++)); do
+        ready=$(sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 ~ /^(idle|mix|alloc)/' | wc -l)
+        ((ready == $1)) && return 0
+        sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 ~ /^(down|drain|fail)/ {print $1}' |
+            while read -r node; do scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true; done
+        sleep 0.5
+    done
+    die "only $ready of $1 nodes are ready; see $DIR/log/"
+}
+
+cmd_up_multi() {
+    local n=$1 i
+    need_tools
+    command -v ip >/dev/null || die "missing ip: apt-get install iproute2"
+    if [[ $(nodes_up) == "$n" ]] && pid_of slurmctld >/dev/null; then
+        wait_nodes "$n"
+        say "already up ($n nodes, $CONF)"
+        return 0
+    fi
+    stop_ours
+    write_multi_config "$n"
+    echo "$n" >"$DIR/nodes"
+    make_network "$n"
+    start_munge
+    start_daemon slurmctld -f "$CONF"
+    for ((i = 1; i <= n; i++)); do start_node "$i"; done
+    wait_nodes "$n"
+    say "up: $n nodes mpifl-n1..mpifl-n$n ($NET.11..), $CPUS CPUs each (over-subscribing $(nproc) cores), partition $PARTITION; export SLURM_CONF=$CONF"
+}
+
+stop_nodes() {  # every process in our node namespaces (slurmd, steps, ranks), the namespaces, the bridge
+    local name
+    for name in $(ip netns list 2>/dev/null | awk '$1 ~ /^mpifl-n[0-9]+$/ {print $1}'); do
+        ip netns pids "$name" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+        ip netns del "$name" 2>/dev/null || true
+    done
+    ip link del "$BRIDGE" 2>/dev/null || true
+    rm -f "$DIR/nodes"
+}
+
 cmd_up() {
     need_tools
     if pid_of slurmctld >/dev/null && pid_of slurmd >/dev/null && pid_of munged >/dev/null; then
@@ -160,9 +301,11 @@ stop_pid() {  # stop_pid NAME: TERM our daemon, wait up to 10 s, then KILL
     kill -9 "$pid" 2>/dev/null || true
 }
 
-stop_ours() {
-    stop_pid slurmd
-    stop_pid slurmctld
+stop_ours() {  # in parallel: a daemon may take seconds to exit
+    [[ -s $DIR/nodes ]] && stop_nodes &  # only namespaces this folder's cluster made
+    stop_pid slurmd &
+    stop_pid slurmctld &
+    wait
     stop_pid munged
 }
 
@@ -182,7 +325,9 @@ cmd_down() {
 
 cmd_status() {
     local name pid ok=0
-    for name in munged slurmctld slurmd; do
+    local daemons="munged slurmctld slurmd"
+    [[ $(nodes_up) != 1 ]] && daemons="munged slurmctld $(node_names "$(nodes_up)" | sed 's/^/slurmd-/')"
+    for name in $daemons; do
         if pid=$(pid_of "$name"); then echo "$name: running (pid $pid)"
         else echo "$name: stopped"; ok=1; fi
     done
@@ -192,9 +337,14 @@ cmd_status() {
 }
 
 case ${1:-} in
-    up) cmd_up ;;
+    up)
+        if [[ ${2:-} == --nodes ]]; then
+            [[ ${3:-} =~ ^[1-9][0-9]?$ ]] || die "--nodes wants a number of nodes (1-99), got '${3:-}'"
+            if (($3 > 1)); then cmd_up_multi "$3"; else cmd_up; fi
+        elif [[ -n ${2:-} ]]; then die "unknown option '$2' (up [--nodes N])"
+        else cmd_up; fi ;;
     down) cmd_down ;;
     status) cmd_status ;;
     env) echo "export SLURM_CONF=$CONF" ;;
-    *) echo "usage: $0 up|down|status|env" >&2; exit 2 ;;
+    *) echo "usage: $0 up [--nodes N]|down|status|env" >&2; exit 2 ;;
 esac

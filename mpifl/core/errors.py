@@ -19,3 +19,8 @@ class DataError(MpiflError):
 
 class OutputError(MpiflError):
     """An output path cannot be written, or a results file is damaged or foreign."""
+
+
+class PeerLost(MpiflError):
+    """Another MPI rank did not answer within ``run.peer_timeout_s`` (it hangs, or its node is
+    lost): the job is ended rather than left waiting forever."""

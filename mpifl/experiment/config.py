@@ -57,6 +57,10 @@ class RunConfig(_Section):
     checkpoint_every: int = Field(0, ge=0, le=INT32_MAX)
     # live loggers on rank 0 (mpifl.runtime.loggers.LOGGERS): "csv", "tensorboard", "wandb"
     loggers: list[str] = Field(default_factory=list)
+    # seconds a rank waits for the others before ending the job (a hung rank, a lost node);
+    # 0 = forever. Set it above the longest phase (a round's training; aggregation + evaluation
+    # + checkpoint)
+    peer_timeout_s: float = Field(0.0, ge=0.0, le=1e7)
 
 
 class PluginsConfig(_Section):
@@ -272,7 +276,8 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 
 #: Keys a resumed run may change: they decide how long it runs, where things go, or how
 #: clients are chunked in memory — never what is computed.
-RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.loggers", "data.data_root",
+RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.loggers",
+                  "run.peer_timeout_s", "data.data_root",
                   "plugins.path",
                   "server.device", "client.memory_budget_mb"}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import json
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,11 +256,13 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
     parts = agree(comm, lambda: build_parts(cfg))
     trainer = agree(comm, lambda: make_trainer(cfg, parts, device) if rank > 0 or size == 1
                     else None)
+    hosts = comm.gather(socket.gethostname(), root=0) if size > 1 else [socket.gethostname()]
     if rank == 0:
         log.info("%s: %s, %d clients (%d per round), d=%d, %s, %d rank(s)%s", cfg.run.name,
                  cfg.data.dataset, parts.fed.num_clients, cfg.server.clients_per_round,
                  parts.layout.d, cfg.server.algorithm, size,
                  f", resuming after round {start.ckpt.round}" if start.ckpt else "")
+        log.info("ranks on hosts: %s", ", ".join(f"{r}:{h}" for r, h in enumerate(hosts)))
     if size == 1:
         clients = LocalClients(trainer, parts.fed, device)
         try:
@@ -269,7 +272,8 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
         except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
             log.debug("run failed", exc_info=True)
             raise MpiflError(one_line(exc)) from None
-    transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts))
+    transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts),
+                             peer_timeout=cfg.run.peer_timeout_s)
     try:
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpifl.core.errors import PeerLost
 from mpifl.core.wire import Columns
 
 STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
@@ -62,16 +63,23 @@ def _request(method):
     return wrapped
 
 
-def wait_idle(request, max_sleep: float = 2e-4) -> None:
+def wait_idle(request, max_sleep: float = 2e-4, timeout: float = 0.0, waiting_for: str = "") -> None:
     """Complete an MPI request without holding a core while it is pending.
 
     Tests the request, sleeping between tests with a pause that doubles from 1 us up to
     ``max_sleep`` seconds: at most about ``max_sleep`` of added latency, negligible against a
     phase long enough to be worth not spinning through. (The main job on 3 ranks of the 2-core
     VM: 0.21 s a round with MPICH's spinning waits, 0.13 s with these; docs/BENCHMARKS.md.)
+
+    Raises:
+        PeerLost: ``timeout`` > 0 seconds passed first (a rank that hangs or whose node is
+            lost would otherwise keep every other rank waiting forever).
     """
-    pause = 1e-6
+    pause, start = 1e-6, time.monotonic()
     while not request.Test():
+        if timeout and time.monotonic() - start > timeout:
+            raise PeerLost(f"no answer from {waiting_for} within run.peer_timeout_s = {timeout:g} s "
+                           "(a rank hangs or its node is lost)")
         time.sleep(pause)
         pause = min(2 * pause, max_sleep)
 
@@ -175,9 +183,11 @@ class MPITransport:
         comm: an mpi4py intracommunicator of size >= 2.
         d: number of model parameters.
         columns: the trainer's per-round extras (the same on every rank, from the config).
+        peer_timeout: seconds a rank waits for the others at the protocol's two waits (the
+            workers' results, rank 0's next request) before :class:`PeerLost`; 0 = forever.
     """
 
-    def __init__(self, comm, d: int, columns: Columns = Columns()):
+    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -192,6 +202,7 @@ class MPITransport:
         self._inputs = np.zeros(columns.inputs, dtype=np.float64)
         self._updates = np.empty((0, d), dtype=np.float32)  # grown on demand, reused
         self.busy = False  # rank 0: inside a request (see _request)
+        self.peer_timeout = float(peer_timeout)
 
     # -- helpers ---------------------------------------------------------------------------
     def _bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
@@ -199,14 +210,16 @@ class MPITransport:
         if self.rank == 0:
             self._header[:] = (command, rnd, lr, m, flag)
         # workers may wait here through a whole aggregation: sleep instead of spinning
-        wait_idle(self.comm.Ibcast([self._header, self.MPI.DOUBLE], root=0))
+        wait_idle(self.comm.Ibcast([self._header, self.MPI.DOUBLE], root=0),
+                  timeout=self.peer_timeout if self.rank else 0.0, waiting_for="rank 0")
         c, r, lr_, m_, f = self._header
         return int(c), int(r), float(lr_), int(m_), int(f)
 
     def _results_ready(self) -> None:
         """Rank 0 and the workers meet here once every worker has its results, so that rank 0
         sleeps through the workers' training or evaluation instead of spinning in a Gatherv."""
-        wait_idle(self.comm.Ibarrier())
+        wait_idle(self.comm.Ibarrier(), timeout=self.peer_timeout,
+                  waiting_for="rank 0" if self.rank else "a worker rank")
 
     def _gatherv(self, local: np.ndarray, counts: np.ndarray, out: np.ndarray | None, mpitype):
         """Gather contiguous blocks (rank 0 sends nothing) into ``out`` on rank 0."""
