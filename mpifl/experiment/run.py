@@ -10,8 +10,8 @@ the rounds ends every rank too (:func:`_end_all_ranks`).
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import shutil
 import socket
 import sys
