@@ -63,6 +63,10 @@ def _request(method):
     return wrapped
 
 
+#: seconds between a failing rank's message and its MPI_Abort (see MPITransport.abort)
+ABORT_GRACE_S = 0.5
+
+
 def wait_idle(request, max_sleep: float = 2e-4, timeout: float = 0.0, waiting_for: str = "") -> None:
     """Complete an MPI request without holding a core while it is pending.
 
@@ -211,7 +215,7 @@ class MPITransport:
             self._header[:] = (command, rnd, lr, m, flag)
         # workers may wait here through a whole aggregation: sleep instead of spinning
         wait_idle(self.comm.Ibcast([self._header, self.MPI.DOUBLE], root=0),
-                  timeout=self.peer_timeout if self.rank else 0.0, waiting_for="rank 0")
+                  timeout=self.peer_timeout, waiting_for="rank 0" if self.rank else "a worker rank")
         c, r, lr_, m_, f = self._header
         return int(c), int(r), float(lr_), int(m_), int(f)
 
@@ -221,13 +225,24 @@ class MPITransport:
         wait_idle(self.comm.Ibarrier(), timeout=self.peer_timeout,
                   waiting_for="rank 0" if self.rank else "a worker rank")
 
+    def _collective(self, name: str, *args, root: int = 0) -> None:
+        """Run the blocking collective ``name`` (Bcast, Gatherv, Scatterv, Gather); with a peer
+        timeout, its nonblocking form completed under that timeout instead, so that a rank
+        that hangs mid-collective cannot hold the others forever."""
+        if not self.peer_timeout:
+            getattr(self.comm, name)(*args, root=root)
+            return
+        # spin (no sleep): large transfers progress only while the request is tested
+        wait_idle(getattr(self.comm, "I" + name.lower())(*args, root=root), max_sleep=0.0,
+                  timeout=self.peer_timeout, waiting_for="another rank")
+
     def _gatherv(self, local: np.ndarray, counts: np.ndarray, out: np.ndarray | None, mpitype):
         """Gather contiguous blocks (rank 0 sends nothing) into ``out`` on rank 0."""
         if self.rank == 0:
             displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
-            self.comm.Gatherv([local, 0, mpitype], [out, counts, displs, mpitype], root=0)
+            self._collective("Gatherv", [local, 0, mpitype], [out, counts, displs, mpitype])
         else:
-            self.comm.Gatherv([local, mpitype], None, root=0)
+            self._collective("Gatherv", [local, mpitype], None)
 
     def _scatterv(self, rows: np.ndarray | None, counts: np.ndarray | None, width: int,
                   mine: int) -> np.ndarray | None:
@@ -235,12 +250,11 @@ class MPITransport:
         receives its ``mine`` rows."""
         if self.rank == 0:
             displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
-            self.comm.Scatterv([np.ascontiguousarray(rows, np.float32), counts, displs,
-                                self.MPI.FLOAT], [np.empty(0, np.float32), self.MPI.FLOAT],
-                               root=0)
+            self._collective("Scatterv", [np.ascontiguousarray(rows, np.float32), counts, displs,
+                                          self.MPI.FLOAT], [np.empty(0, np.float32), self.MPI.FLOAT])
             return None
         out = np.empty((mine, width), dtype=np.float32)
-        self.comm.Scatterv(None, [out, self.MPI.FLOAT], root=0)
+        self._collective("Scatterv", None, [out, self.MPI.FLOAT])
         return out
 
     def _updates_buffer(self, m: int) -> np.ndarray:
@@ -250,10 +264,10 @@ class MPITransport:
 
     def _bcast_ids_w(self, ids: np.ndarray, w: np.ndarray) -> np.ndarray:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
-        self.comm.Bcast([ids, self.MPI.INT64_T], root=0)
+        self._collective("Bcast", [ids, self.MPI.INT64_T])
         if self.rank == 0:
             self._w[:] = w
-        self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
+        self._collective("Bcast", [self._w, self.MPI.FLOAT])
         return ids
 
     # -- server side -----------------------------------------------------------------------
@@ -277,7 +291,7 @@ class MPITransport:
         blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
         if cols.inputs:
             self._inputs[:] = inputs
-            self.comm.Bcast([self._inputs, self.MPI.DOUBLE], root=0)
+            self._collective("Bcast", [self._inputs, self.MPI.DOUBLE])
             sent += self.workers * self._inputs.nbytes
         if cols.state:
             self._scatterv(state, blocks * cols.state, cols.state, 0)
@@ -327,7 +341,7 @@ class MPITransport:
         k = int(counts.sum())
         self._bcast_header(EVAL, flag=int(personal is not None))
         self._w[:] = w
-        self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
+        self._collective("Bcast", [self._w, self.MPI.FLOAT])
         sent = self.workers * (self._header.nbytes + self._w.nbytes)
         if personal is not None:
             self._scatterv(personal, counts * self.d, self.d, 0)
@@ -367,9 +381,9 @@ class MPITransport:
         if command in (TRAIN, LOSSES):
             self._bcast_ids_w(ids, None)
         elif command == EVAL:
-            self.comm.Bcast([self._w, self.MPI.FLOAT], root=0)
+            self._collective("Bcast", [self._w, self.MPI.FLOAT])
         if command == TRAIN and self.columns.inputs:
-            self.comm.Bcast([self._inputs, self.MPI.DOUBLE], root=0)
+            self._collective("Bcast", [self._inputs, self.MPI.DOUBLE])
             req.inputs = self._inputs
         if command == TRAIN and self.columns.state:
             req.state = self._scatterv(None, None, self.columns.state, bounds_of(command, ids))
@@ -406,10 +420,16 @@ class MPITransport:
         """(size, 2) float64 on rank 0: every rank's [seconds, peak resident bytes]."""
         send = np.array([seconds, peak_rss_bytes()], dtype=np.float64)
         recv = np.empty((self.size, 2), dtype=np.float64) if self.rank == 0 else None
-        self.comm.Gather([send, self.MPI.DOUBLE], [recv, self.MPI.DOUBLE] if recv is not None else None,
-                         root=0)
+        self._collective("Gather", [send, self.MPI.DOUBLE],
+                         [recv, self.MPI.DOUBLE] if recv is not None else None)
         return recv
 
     def abort(self, code: int) -> None:
-        """End every rank of the job now (a rank failed; never leave the others hanging)."""
+        """End every rank of the job now (a rank failed; never leave the others hanging).
+
+        Waits ``ABORT_GRACE_S`` first: mpiexec tears the job down on the first abort and drops
+        output it has not forwarded yet, so the failing rank's one-line message (printed just
+        before) would be lost when two ranks give up at the same moment.
+        """
+        time.sleep(ABORT_GRACE_S)
         self.comm.Abort(code)
