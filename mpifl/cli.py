@@ -1,4 +1,4 @@
-"""The ``mpifl`` command line: run | resume | sweep | report | export | plot | bench | data.
+"""The ``mpifl`` command line: run | resume | sweep | reproduce | report | export | plot | bench | data.
 
 A user's mistake (bad config, missing data, unwritable output, damaged results file) prints one
 line ``mpifl: error: ...`` on standard error and exits with status 2, never a traceback.
@@ -107,6 +107,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if len(grouped) < len(rows):  # some runs differ only in their seed
         print("\nover seeds (mean ± sample std):\n" + format_table(grouped))
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from mpifl.sweep.reproduce import run_suites, suite_files, write_doc
+
+    if args.last < 1:
+        raise MpiflError(f"--last {args.last}: expected at least 1 evaluation")
+    suites = suite_files(Path(args.suites), args.suite)
+    failed = [] if args.report_only else run_suites(suites, Path(args.out), args.executor,
+                                                     args.only)
+    summary = write_doc(Path(args.suites), Path(args.out), Path(args.doc), suites, args.last)
+    print(f"{args.doc}: {summary}")
+    if failed:
+        print(f"mpifl: error: suites with runs that did not complete: {', '.join(failed)} "
+              f"(their logs: {args.out}/SUITE/logs; repeat the command to resume them)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -236,6 +254,25 @@ def build_parser() -> argparse.ArgumentParser:
                      help="average each run's last K evaluations (default 3)")
     rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
     rep.set_defaults(func=cmd_report)
+
+    rp = sub.add_parser("reproduce", help="run the papers' reproduction suites (jobs/repro) "
+                                          "and write docs/REPRODUCTIONS.md from their results")
+    rp.add_argument("suite", nargs="*", help="suites to run (default: all in --suites)")
+    rp.add_argument("--suites", default="jobs/repro", metavar="DIR",
+                    help="folder of suite sweep files and figures.toml (default jobs/repro)")
+    rp.add_argument("--out", default="runs/repro", metavar="DIR",
+                    help="results: one sweep folder per suite (default runs/repro)")
+    rp.add_argument("--doc", default="docs/REPRODUCTIONS.md", help="the document to write")
+    rp.add_argument("--executor", choices=["auto", "slurm", "local"], default="local",
+                    help="local (default: here, in the foreground), slurm (submitit; waits), "
+                         "auto: slurm when sbatch is on PATH")
+    rp.add_argument("--only", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="run only the points with this value (repeatable; e.g. run.seed=0)")
+    rp.add_argument("--report-only", action="store_true",
+                    help="run nothing; write the document from the finished runs")
+    rp.add_argument("--last", type=int, default=3, metavar="K",
+                    help="average each run's last K evaluations (default 3)")
+    rp.set_defaults(func=cmd_reproduce)
 
     ex = sub.add_parser("export", help="results as long-form tables (CSV or Parquet) for pandas, "
                                        "R, spreadsheets")

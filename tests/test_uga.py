@@ -150,6 +150,19 @@ def test_matches_keep_trace_oracle_minibatches():
     assert_close(*run_both(model, layout, x, y, idx, w, epochs=3, batch_size=8)[:2])
 
 
+def test_run_round_the_workers_entry_point_is_the_oracle():
+    """The workers call ``run_round`` (mpifl/runtime/worker.py, backends.py), not ``train``:
+    it must give the same keep-trace gradients and losses, and no extra statistics."""
+    model, layout, x, y, idx, w = setup(sizes=(9, 25, 41))
+    ids = np.arange(len(idx)) * 5 + 1
+    trainer = UGATrainer(model, layout, x, y, epochs=3, batch_size=8, memory_budget_mb=1024.0)
+    updates, losses, stats = trainer.run_round(w, 3, 0.2, ids, idx)
+    want = oracle_uga(model, layout, x, y, w, round=3, lr=0.2, client_ids=ids, sample_idx=idx,
+                      epochs=3, batch_size=8)
+    assert stats == {}
+    assert_close((updates, losses), want)
+
+
 def test_matches_oracle_momentum_weight_decay():
     model, layout, x, y, idx, w = setup(sizes=(7, 19, 30))
     assert_close(*run_both(model, layout, x, y, idx, w, epochs=2, batch_size=6, momentum=0.9,

@@ -1,0 +1,271 @@
+"""The reproduction table: each paper's headline figures beside mpifl's runs, with a verdict.
+
+Inputs are a *figures file* (``jobs/repro/figures.toml``: the papers' numbers, typed once, in
+one place that is data, never a test) and the sweep folders of the reproduction suites
+(``<out>/<suite>/index.json`` and its results files). Nothing here runs an experiment: every
+figure of the table is computed from the HDF5 results, so the table is regenerated, never typed.
+
+A row of the figures file::
+
+    [[row]]
+    suite = "mfairfl-adult"              # jobs/repro/<suite>.toml, results in <out>/<suite>
+    section = "mFairFL (Su et al., AAAI 2024), Table 1: Adult"
+    method = "mFairFL"                   # as the paper names it
+    select = {"server.algorithm" = "mfairfl"}   # its runs: these swept values (all seeds)
+    metric = "dp"                        # see METRICS
+    value = 1.2                          # the paper's figure, in the table's units (%, pp)
+    paper_text = "27 (FEMNIST)"          # or: the paper's figure as shown, not compared
+    sd = 0.3                             # the paper's error bar, if it gives one
+    claim = "dp-adult"                   # rows compared by their order (with ``rank``) ...
+    rank = 1                             # ... the paper's rank in that claim (1 = smallest)
+    why = "..."                          # the reason found, when it is not reproduced
+
+Verdicts (:func:`verdict`): *reproduced* when mpifl's mean over seeds is within the larger of
+the paper's error bar and 2 pp of the paper's figure, *close* within 5 pp, else *not
+reproduced*. A row without ``value`` is judged by order only: *reproduced* when the rows of
+its claim come in the paper's order.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mpifl.core.errors import ConfigError, OutputError
+from mpifl.store.results import read_results
+from mpifl.store.sweep_index import INDEX, read_index
+
+#: The metrics a row may name, their unit in the table, and how they come from a results file.
+METRICS = {
+    "mean": "%, mean client test accuracy",
+    "std": "pp, std of the clients' accuracies (FedLF's fairness indicator)",
+    "worst5": "%, mean accuracy of the worst 5% of clients",
+    "best5": "%, mean accuracy of the best 5% of clients",
+    "cf": "pp, client-fairness violation max_k |acc_k - mean|",
+    "dp": "pp, demographic-parity violation",
+    "eo": "pp, equal-opportunity violation",
+    "ap": "pp, accuracy-parity violation",
+    "rounds_to:X": "rounds until the mean accuracy first reaches X% (an evaluated round)",
+}
+REPRODUCED_PP, CLOSE_PP = 2.0, 5.0
+SEED_KEY = "run.seed"
+_absent = object()
+
+
+class FigureRow(BaseModel):
+    """One ``[[row]]`` of the figures file (see the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    suite: str
+    section: str
+    method: str
+    select: dict[str, Any] = Field(default_factory=dict)
+    metric: str
+    value: float | None = None
+    paper_text: str | None = None
+    sd: float | None = Field(None, ge=0)
+    claim: str | None = None
+    rank: int | None = Field(None, ge=1)
+    why: str | None = None
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, metric: str) -> str:
+        if metric in METRICS or (metric.startswith("rounds_to:") and _milestone(metric) > 0):
+            return metric
+        raise ValueError(f"unknown metric {metric!r}; known: {', '.join(METRICS)}")
+
+
+def _milestone(metric: str) -> float:
+    try:
+        return float(metric.split(":", 1)[1])
+    except ValueError:
+        return -1.0
+
+
+def load_figures(path: Path) -> list[FigureRow]:
+    """The rows of a figures file.
+
+    Raises:
+        ConfigError: unreadable TOML, no rows, a row with a wrong or missing key, or a
+            ``rank`` without ``claim``.
+    """
+    from mpifl.experiment.config import read_toml
+
+    data = read_toml(path)
+    rows = data.get("row")
+    if not isinstance(rows, list) or not rows or set(data) != {"row"}:
+        raise ConfigError(f"{path}: expected only [[row]] tables, at least one")
+    out = []
+    for i, row in enumerate(rows, 1):
+        try:
+            out.append(FigureRow(**row))
+        except (ValidationError, TypeError) as exc:
+            first = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc)}
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise ConfigError(f"{path}: row {i}: {where + ': ' if where else ''}{first['msg']}") from None
+        if out[-1].rank is not None and out[-1].claim is None:
+            raise ConfigError(f"{path}: row {i}: rank needs a claim (the rows it is ranked among)")
+    return out
+
+
+def run_metric(path: Path, metric: str, last: int) -> float:
+    """One run's ``metric`` in the table's units: the mean of its last ``last`` evaluations
+    (accuracies in %, std and violations in pp), or, for ``rounds_to:X``, the number of rounds
+    until the mean accuracy first reached X% (``inf`` if it never did).
+
+    Raises:
+        OutputError: unreadable results, no evaluation, or a metric the run did not record.
+    """
+    ev = read_results(path)["eval"]
+    if ev["round"].size == 0:
+        raise OutputError(f"{path}: no evaluation yet")
+    if metric.startswith("rounds_to:"):
+        reached = np.flatnonzero(ev["mean"] >= _milestone(metric) / 100)
+        return float(ev["round"][reached[0]] + 1) if reached.size else math.inf
+    name = f"group/{metric}" if metric in ("dp", "eo", "ap") else metric
+    if name not in ev:
+        raise OutputError(f"{path}: the run did not record {metric}")
+    return 100.0 * float(np.mean(ev[name][-max(1, last):]))
+
+
+@dataclass
+class Measured:
+    """mpifl's side of a row: one value per seed (complete runs only) and what is missing."""
+
+    values: list[float] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
+    missing: int = 0  # runs of the row not complete (not run, running, failed)
+    seconds: float = 0.0  # the runs' summed round times
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values) if self.values else math.nan
+
+    @property
+    def sd(self) -> float:
+        return statistics.stdev(self.values) if len(self.values) > 1 else 0.0
+
+
+def measure(row: FigureRow, folder: Path, last: int) -> Measured:
+    """The runs of ``folder`` (a sweep folder) that ``row.select`` picks, over all seeds."""
+    out = Measured()
+    if not (folder / INDEX).exists():
+        return out
+    for run in read_index(folder)["runs"].values():
+        params = run["params"]
+        if any(params.get(k, _absent) != v for k, v in row.select.items()):
+            continue
+        path = folder / run["results"]
+        try:
+            res = read_results(path)
+            if res["attrs"].get("status") != "complete":
+                raise OutputError("not complete")
+            out.values.append(run_metric(path, row.metric, last))
+        except OutputError:
+            out.missing += 1
+            continue
+        out.seeds.append(int(params.get(SEED_KEY, res["config"]["run"]["seed"])))
+        out.seconds += float(sum(res["rounds"][c].sum() for c in res["rounds"]
+                                 if c.startswith("time_")))
+    return out
+
+
+def verdict(paper: float, paper_sd: float | None, mean: float) -> str:
+    """*reproduced* (within max(paper's error bar, 2 pp)), *close* (within 5 pp) or *not
+    reproduced*, comparing mpifl's mean over seeds with the paper's figure (same units)."""
+    if math.isnan(mean):
+        return "not run"
+    gap = abs(mean - paper)
+    if gap <= max(REPRODUCED_PP, paper_sd or 0.0):
+        return "reproduced"
+    return "close" if gap <= CLOSE_PP else "not reproduced"
+
+
+def order_verdicts(rows: list[FigureRow], measured: list[Measured]) -> dict[str, str]:
+    """Per claim: *reproduced* when mpifl's means rank the claim's rows as the paper does
+    (ties in the paper's ranks may come in either order), else *not reproduced*."""
+    out = {}
+    for claim in {r.claim for r in rows if r.claim and r.rank}:
+        members = [(r.rank, m.mean) for r, m in zip(rows, measured) if r.claim == claim and r.rank]
+        if any(math.isnan(mean) for _, mean in members):
+            out[claim] = "not run"
+            continue
+        ok = all(a_mean < b_mean for a_rank, a_mean in members for b_rank, b_mean in members
+                 if a_rank < b_rank)
+        out[claim] = "reproduced" if ok else "not reproduced"
+    return out
+
+
+def _fmt(x: float) -> str:
+    if math.isinf(x):
+        return "never"
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.1f}"
+
+
+def render(rows: list[FigureRow], measured: list[Measured], *, command: str, machine: str,
+           suites: dict[str, str], last: int) -> str:
+    """The Markdown document: a summary, one table per section, each suite's departures from
+    its paper (the suite file's header), and the time the suites took."""
+    orders = order_verdicts(rows, measured)
+    verdicts = []
+    for r, m in zip(rows, measured):
+        v = verdict(r.value, r.sd, m.mean) if r.value is not None else orders.get(r.claim, "-")
+        if r.value is None and r.claim is None:
+            v = "-"
+        verdicts.append(v)
+    lines = ["# Reproductions", "",
+             "Generated by `" + command + "` from the HDF5 results; do not edit by hand.", "",
+             f"Machine: {machine}. mpifl's figure per row: mean ± sample std over the seeds "
+             f"(each run: the mean of its last {last} evaluations; `rounds_to:X`: the first "
+             "evaluated round whose mean accuracy reaches X%). Verdicts: **reproduced** within "
+             f"the paper's error bar or {REPRODUCED_PP:g} pp, **close** within {CLOSE_PP:g} pp, "
+             "else **not reproduced** (the reason below the table); rows that the paper "
+             "reports on other data are judged by their order only (the claim column).", ""]
+    counts = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
+    lines += ["Summary: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".", ""]
+    for section in dict.fromkeys(r.section for r in rows):
+        idx = [i for i, r in enumerate(rows) if r.section == section]
+        lines += [f"## {section}", "",
+                  "| method | metric | paper | mpifl | seeds | diff | claim | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        notes = []
+        for i in idx:
+            r, m, v = rows[i], measured[i], verdicts[i]
+            paper = (r.paper_text or "-" if r.value is None
+                     else _fmt(r.value) + (f" ± {_fmt(r.sd)}" if r.sd else ""))
+            mine = "-" if not m.values else f"{_fmt(m.mean)} ± {_fmt(m.sd)}"
+            seeds = f"{len(m.values)}" + (f" (+{m.missing} not done)" if m.missing else "")
+            diff = ("-" if r.value is None or not m.values or math.isinf(m.mean)
+                    else f"{m.mean - r.value:+.1f}")
+            claim = f"{r.claim} #{r.rank}" if r.claim and r.rank else "-"
+            lines.append(f"| {r.method} | {r.metric} | {paper} | {mine} | {seeds} | {diff} | "
+                         f"{claim} | {v} |")
+            if v in ("not reproduced", "close") and r.why:
+                notes.append(f"- {r.method}, {r.metric}: {r.why}")
+            elif v == "not reproduced":
+                notes.append(f"- {r.method}, {r.metric}: reason not found yet.")
+        lines += [""] + (notes + [""] if notes else [])
+    lines += ["## Suites: settings and departures from the papers", ""]
+    for name, header in suites.items():
+        secs = sum(m.seconds for r, m in zip(rows, measured) if r.suite == name)
+        lines += [f"### {name}", "", f"`jobs/repro/{name}.toml`; its runs' summed round time "
+                  f"here: {secs / 60:.1f} min.", "", "```", header.rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+def suite_header(path: Path) -> str:
+    """The leading comment block of a suite file, without the ``#`` marks."""
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        out.append(line[2:] if line.startswith("# ") else line[1:])
+    return "\n".join(out)
