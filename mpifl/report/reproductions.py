@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ METRICS = {
     "dp": "pp, demographic-parity violation",
     "eo": "pp, equal-opportunity violation",
     "ap": "pp, accuracy-parity violation",
+    "mc": "model-level conflicts: selected clients a round with u_k . step < 0 (all rounds)",
+    "lc": "layer-level conflicts: (client, layer) pairs a round with u_k,l . step_l < 0",
     "rounds_to:X": "rounds until the mean accuracy first reaches X% (an evaluated round)",
 }
 REPRODUCED_PP, CLOSE_PP = 2.0, 5.0
@@ -94,12 +97,15 @@ def load_figures(path: Path) -> list[FigureRow]:
     """The rows of a figures file.
 
     Raises:
-        ConfigError: unreadable TOML, no rows, a row with a wrong or missing key, or a
+        ConfigError: an unreadable file or bad TOML, no rows, a row with a wrong or missing key, or a
             ``rank`` without ``claim``.
     """
-    from mpifl.experiment.config import read_toml
-
-    data = read_toml(path)
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     rows = data.get("row")
     if not isinstance(rows, list) or not rows or set(data) != {"row"}:
         raise ConfigError(f"{path}: expected only [[row]] tables, at least one")
@@ -118,13 +124,18 @@ def load_figures(path: Path) -> list[FigureRow]:
 
 def run_metric(path: Path, metric: str, last: int) -> float:
     """One run's ``metric`` in the table's units: the mean of its last ``last`` evaluations
-    (accuracies in %, std and violations in pp), or, for ``rounds_to:X``, the number of rounds
-    until the mean accuracy first reached X% (``inf`` if it never did).
+    (accuracies in %, std and violations in pp); for ``rounds_to:X``, the number of rounds
+    until the mean accuracy first reached X% (``inf`` if it never did); for ``mc``/``lc``, the
+    mean conflict count a round over all rounds.
 
     Raises:
         OutputError: unreadable results, no evaluation, or a metric the run did not record.
     """
-    ev = read_results(path)["eval"]
+    res = read_results(path)
+    if metric in ("mc", "lc"):
+        counts = res["rounds"]["conflicts_model" if metric == "mc" else "conflicts_layer"]
+        return float(counts.reshape(len(counts), -1).sum(axis=1).mean())
+    ev = res["eval"]
     if ev["round"].size == 0:
         raise OutputError(f"{path}: no evaluation yet")
     if metric.startswith("rounds_to:"):
