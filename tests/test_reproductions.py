@@ -84,6 +84,17 @@ def test_order_claims():
     assert order_verdicts(rows, [Measured(), *measured(1, 2)]) == {"c": "not run"}
 
 
+def test_a_milestone_never_reached_is_shown_and_ranked_last():
+    assert Measured(values=[math.inf, 12.0]).shown() == "never (1 of 2 seeds; the others: 12.0)"
+    assert Measured(values=[math.inf]).shown() == "never (1 of 1 seeds)"
+    assert Measured(values=[10.0, 12.0]).shown() == "11.0 ± 1.4"
+    rows = [FigureRow(suite="s", section="x", method=m, metric="rounds_to:60", claim="c", rank=k)
+            for m, k in (("fast", 1), ("slow", 2))]
+    slow_never = [Measured(values=[9.0, 11.0]), Measured(values=[math.inf, 5.0])]
+    assert order_verdicts(rows, slow_never) == {"c": "reproduced"}
+    assert order_verdicts(rows, slow_never[::-1]) == {"c": "not reproduced"}
+
+
 def test_bad_figures_file_is_one_line_exit_2(tmp_path):
     suites = tmp_path / "suites"
     suites.mkdir()

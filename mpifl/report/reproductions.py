@@ -162,7 +162,21 @@ class Measured:
 
     @property
     def sd(self) -> float:
+        if any(math.isinf(v) for v in self.values):
+            return math.nan
         return statistics.stdev(self.values) if len(self.values) > 1 else 0.0
+
+    def shown(self) -> str:
+        """``mean ± sd``; for a milestone some seeds never reached: ``never (k of n seeds;
+        the others: mean)``."""
+        if not self.values:
+            return "-"
+        never = [v for v in self.values if math.isinf(v)]
+        if not never:
+            return f"{_fmt(self.mean)} ± {_fmt(self.sd)}"
+        reached = [v for v in self.values if not math.isinf(v)]
+        rest = f"; the others: {_fmt(statistics.fmean(reached))}" if reached else ""
+        return f"never ({len(never)} of {len(self.values)} seeds{rest})"
 
 
 def measure(row: FigureRow, folder: Path, last: int) -> Measured:
@@ -252,7 +266,7 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
             r, m, v = rows[i], measured[i], verdicts[i]
             paper = (r.paper_text or "-" if r.value is None
                      else _fmt(r.value) + (f" ± {_fmt(r.sd)}" if r.sd else ""))
-            mine = "-" if not m.values else f"{_fmt(m.mean)} ± {_fmt(m.sd)}"
+            mine = m.shown()
             seeds = f"{len(m.values)}" + (f" (+{m.missing} not done)" if m.missing else "")
             diff = ("-" if r.value is None or not m.values or math.isinf(m.mean)
                     else f"{m.mean - r.value:+.1f}")
