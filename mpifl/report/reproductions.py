@@ -154,7 +154,6 @@ class Measured:
     values: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     missing: int = 0  # runs of the row not complete (not run, running, failed)
-    seconds: float = 0.0  # the runs' summed round times
 
     @property
     def mean(self) -> float:
@@ -198,8 +197,23 @@ def measure(row: FigureRow, folder: Path, last: int) -> Measured:
             out.missing += 1
             continue
         out.seeds.append(int(params.get(SEED_KEY, res["config"]["run"]["seed"])))
-        out.seconds += float(sum(res["rounds"][c].sum() for c in res["rounds"]
-                                 if c.startswith("time_")))
+    return out
+
+
+def suite_seconds(folder: Path) -> list[float]:
+    """Each complete run's summed round times (seconds: broadcast, training, gather,
+    aggregation, evaluation, checkpoint) in the sweep folder ``folder``."""
+    out = []
+    if not (folder / INDEX).exists():
+        return out
+    for run in read_index(folder)["runs"].values():
+        try:
+            res = read_results(folder / run["results"])
+        except OutputError:
+            continue
+        if res["attrs"].get("status") == "complete":
+            out.append(float(sum(res["rounds"][c].sum() for c in res["rounds"]
+                                 if c.startswith("time_"))))
     return out
 
 
@@ -236,9 +250,10 @@ def _fmt(x: float) -> str:
 
 
 def render(rows: list[FigureRow], measured: list[Measured], *, command: str, machine: str,
-           suites: dict[str, str], last: int) -> str:
+           suites: dict[str, tuple[str, list[float]]], last: int) -> str:
     """The Markdown document: a summary, one table per section, each suite's departures from
-    its paper (the suite file's header), and the time the suites took."""
+    its paper and the time its runs took (``suites``: name -> (the suite file's header, each
+    complete run's seconds))."""
     orders = order_verdicts(rows, measured)
     verdicts = []
     for r, m in zip(rows, measured):
@@ -278,11 +293,18 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
             elif v == "not reproduced":
                 notes.append(f"- {r.method}, {r.metric}: reason not found yet.")
         lines += [""] + (notes + [""] if notes else [])
-    lines += ["## Suites: settings and departures from the papers", ""]
-    for name, header in suites.items():
-        secs = sum(m.seconds for r, m in zip(rows, measured) if r.suite == name)
-        lines += [f"### {name}", "", f"`jobs/repro/{name}.toml`; its runs' summed round time "
-                  f"here: {secs / 60:.1f} min.", "", "```", header.rstrip(), "```", ""]
+    times = [t for _, ts in suites.values() for t in ts]
+    lines += ["## Suites: settings, departures from the papers, time", "",
+              f"The {len(times)} complete runs took {sum(times) / 3600:.1f} h of round time on "
+              "this machine, one process and one thread each (the local launcher ran two at a "
+              "time on its 2 cores, so the wall time was about half). On a cluster each run is "
+              "one SLURM job (`--executor slurm`), so a suite takes about its longest run: "
+              f"{max(times, default=0) / 60:.0f} min here, less on faster cores. Round times "
+              "include any contention from other work on the machine while the runs ran.", ""]
+    for name, (header, secs) in suites.items():
+        lines += [f"### {name}", "", f"`jobs/repro/{name}.toml`: {len(secs)} complete runs, "
+                  f"{sum(secs) / 60:.0f} min of round time, the longest "
+                  f"{max(secs, default=0) / 60:.1f} min.", "", "```", header.rstrip(), "```", ""]
     return "\n".join(lines)
 
 

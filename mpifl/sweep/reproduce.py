@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from mpifl.core.errors import ConfigError, OutputError
-from mpifl.report.reproductions import load_figures, measure, render, suite_header
+from mpifl.report.reproductions import (load_figures, measure, render, suite_header,
+                                        suite_seconds)
 from mpifl.sweep.launch import choose, run_sweep
 from mpifl.sweep.spec import load_sweep
 
@@ -68,7 +69,7 @@ def write_doc(folder: Path, out: Path, doc: Path, suites: dict[str, Path], last:
             raise ConfigError(f"{folder / FIGURES}: suite {r.suite!r} has no file in {folder}")
     measured = [measure(r, out / r.suite, last) for r in rows]
     text = render(rows, measured, command=_command(), machine=_machine(),
-                  suites={n: suite_header(p) for n, p in suites.items()
+                  suites={n: (suite_header(p), suite_seconds(out / n)) for n, p in suites.items()
                           if any(r.suite == n for r in rows)}, last=last)
     if not doc.parent.is_dir():
         raise OutputError(f"{doc}: folder {doc.parent} does not exist")
