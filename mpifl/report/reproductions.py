@@ -270,7 +270,9 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
              "else **not reproduced** (the reason below the table); rows that the paper "
              "reports on other data are judged by their order only (the claim column).", ""]
     counts = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
-    lines += ["Summary: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + ".", ""]
+    claim_counts = {v: list(orders.values()).count(v) for v in dict.fromkeys(orders.values())}
+    lines += ["Summary: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + "; order claims: "
+              + (", ".join(f"{n} {v}" for v, n in claim_counts.items()) or "none") + ".", ""]
     for section in dict.fromkeys(r.section for r in rows):
         idx = [i for i, r in enumerate(rows) if r.section == section]
         lines += [f"## {section}", "",
@@ -293,6 +295,8 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
             elif v == "not reproduced":
                 notes.append(f"- {r.method}, {r.metric}: reason not found yet.")
         lines += [""] + (notes + [""] if notes else [])
+        claims = _claim_lines([rows[i] for i in idx], [measured[i] for i in idx], orders)
+        lines += claims + ([""] if claims else [])
     times = [t for _, ts in suites.values() for t in ts]
     lines += ["## Suites: settings, departures from the papers, time", "",
               f"The {len(times)} complete runs took {sum(times) / 3600:.1f} h of round time on "
@@ -306,6 +310,18 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
                   f"{sum(secs) / 60:.0f} min of round time, the longest "
                   f"{max(secs, default=0) / 60:.1f} min.", "", "```", header.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def _claim_lines(rows: list[FigureRow], measured: list[Measured], orders: dict[str, str]
+                 ) -> list[str]:
+    """One line per order claim of a section: the paper's ranks, mpifl's means, the verdict."""
+    out = []
+    for claim in dict.fromkeys(r.claim for r in rows if r.claim and r.rank):
+        members = sorted((r.rank, r.method, m) for r, m in zip(rows, measured) if r.claim == claim)
+        shown = "; ".join(f"#{rank} {method}: {m.shown()}" for rank, method, m in members)
+        out.append(f"- Order claim `{claim}` (paper's rank, 1 = smallest; mpifl's figure): "
+                   f"{shown} — **{orders[claim]}**")
+    return out
 
 
 def suite_header(path: Path) -> str:
