@@ -140,6 +140,17 @@ method = "FedAvg"
 select = {{"server.algorithm" = "fedavg"}}
 metric = "mean"
 value = {fedavg_mean}
+claim = "tiny-mean"
+rank = 1
+
+[[row]]
+suite = "tiny"
+section = "A paper, Table 1"
+method = "FedFV"
+select = {{"server.algorithm" = "fedfv"}}
+metric = "mean"
+claim = "tiny-mean"
+rank = 2
 
 [[row]]
 suite = "tiny"
@@ -206,6 +217,11 @@ def test_tiny_suite_table_holds_the_results_files_figures(tiny):
     shown = "never" if math.isinf(np.mean(reached)) else f"{np.mean(reached):.1f}"
     assert f"| 12 (elsewhere) | {shown} ±" in row, row
     assert "Reproduces: nothing (a test suite)." in text  # the suite's header, copied
+    fedfv = direct(out, "fedfv", "mean")
+    held = "reproduced" if np.mean(fedavg) < np.mean(fedfv) else "not reproduced"
+    claim = next(line for line in text.splitlines() if line.startswith("- Order claim `tiny-mean`"))
+    assert f"#1 FedAvg: {m:.1f} ± {sd:.1f}; #2 FedFV: {np.mean(fedfv):.1f}" in claim, claim
+    assert claim.endswith(f"**{held}**") and f"order claims: 1 {held}" in text
 
 
 def test_rerun_skips_finished_runs_and_report_only_rewrites(tiny):
