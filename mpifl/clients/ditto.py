@@ -28,8 +28,9 @@ which samples; this module follows the authors' code (github.com/litian96/ditto,
 
 Both trainings are batched as in VmapTrainer: a chunk of clients is one stacked ``(m, d)``
 tensor per model, one ``vmap(grad)`` call per step index, padded and masked minibatches; there is
-no loop over clients. :meth:`DittoTrainer.evaluate_each` evaluates K per-client parameter rows
-the same way (``vmap`` of ``functional_call`` over the rows, padded/masked test samples).
+no loop over clients. :meth:`VmapTrainer.evaluate_each` (inherited) evaluates K per-client
+parameter rows the same way (``vmap`` of ``functional_call`` over the rows, padded/masked test
+samples).
 """
 
 from __future__ import annotations
@@ -39,9 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.func import functional_call, vmap
 
 from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.wire import Columns
@@ -124,78 +123,3 @@ class DittoTrainer(VmapTrainer):
                                          [sample_idx[i] for i in chunk], start=v[pos],
                                          prox_mu=self.lam)
         return out
-
-    @torch.no_grad()
-    def evaluate_each(self, W: Tensor, sample_idx: Sequence[np.ndarray]
-                      ) -> tuple[np.ndarray, np.ndarray]:
-        """Accuracy and mean cross-entropy of client i's own parameters ``W[i]`` on its samples.
-
-        Batched over clients: clients (sorted by sample count, so that a chunk holds similar
-        sizes) are cut into chunks that fit the memory budget; a chunk's samples are padded to
-        its largest client (padding rows weigh 0) and evaluated with one ``vmap`` of
-        ``functional_call`` over the clients' parameter rows per block of sample positions.
-
-        Args:
-            W: ``(n, d)`` per-client parameters (e.g. Ditto's personal models).
-            sample_idx: n arrays of indices into x (e.g. the clients' test splits).
-
-        Returns:
-            ``accuracy`` ``(n,)`` float64 and ``loss`` ``(n,)`` float64 (nats); NaN for a client
-            without samples — as :meth:`VmapTrainer.evaluate` gives for one shared w.
-
-        Raises:
-            ValueError: W is not ``(len(sample_idx), d)``.
-        """
-        n = len(sample_idx)
-        if tuple(W.shape) != (n, self.layout.d):
-            raise ValueError(f"W must have shape ({n}, {self.layout.d}), got {tuple(W.shape)}")
-        W = W.detach()
-        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
-        ce_sum = np.zeros(n, dtype=np.float64)
-        hits = np.zeros(n, dtype=np.float64)
-        per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
-        per_client = 4 * 2 * self.layout.d  # the chunk's parameter rows (+ their views' copies)
-        forward = vmap(lambda p, xb: functional_call(self.model, p, (xb,)))
-        for chunk in self._eval_chunks(sizes, per_client, per_row):
-            c, n_max = len(chunk), int(sizes[chunk[0]])
-            rows = np.empty((c, n_max), dtype=np.int64)
-            mask = np.zeros((c, n_max), dtype=bool)
-            for j, i in enumerate(chunk):
-                s = np.asarray(sample_idx[i], dtype=np.int64).reshape(-1)
-                rows[j, :len(s)], rows[j, len(s):] = s, s[0]  # padding: own first sample
-                mask[j, :len(s)] = True
-            params = self.layout.unflatten(
-                W[torch.as_tensor(chunk, device=W.device)].to(self.device, torch.float32))
-            block = max(1, (self.memory_budget - c * per_client) // (c * per_row))
-            ce_c = torch.zeros(c, dtype=torch.float64, device=self.device)
-            hit_c = torch.zeros(c, dtype=torch.float64, device=self.device)
-            for lo in range(0, n_max, block):
-                idx, keep = rows[:, lo:lo + block], mask[:, lo:lo + block]
-                xb, yb = self._gather(idx.reshape(-1))
-                xb = xb.view(c, idx.shape[1], *xb.shape[1:])
-                yb = yb.view(c, idx.shape[1])
-                out = forward(params, xb)
-                ce = F.cross_entropy(out.flatten(0, 1), yb.reshape(-1), reduction="none")
-                keep_t = torch.as_tensor(keep, device=self.device)
-                ce_c += torch.where(keep_t, ce.view(c, -1).double(), 0.0).sum(1)
-                hit_c += ((out.argmax(dim=-1) == yb) & keep_t).double().sum(1)
-            ce_sum[chunk] = ce_c.cpu().numpy()
-            hits[chunk] = hit_c.cpu().numpy()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            count = sizes.astype(np.float64)
-            return hits / count, ce_sum / count
-
-    def _eval_chunks(self, sizes: np.ndarray, per_client: int, per_row: int) -> list[np.ndarray]:
-        """Clients with samples, largest first, in chunks whose parameter rows and padded
-        samples fit the memory budget (at least one client per chunk; a client whose samples
-        alone exceed it is evaluated in blocks of sample positions)."""
-        order = [int(i) for i in np.argsort(-sizes, kind="stable") if sizes[i] > 0]
-        chunks: list[list[int]] = []
-        for i in order:
-            if chunks:
-                c, n_max = len(chunks[-1]) + 1, int(sizes[chunks[-1][0]])
-                if c * (per_client + n_max * per_row) <= self.memory_budget:
-                    chunks[-1].append(i)
-                    continue
-            chunks.append([i])
-        return [np.array(c, dtype=np.int64) for c in chunks]

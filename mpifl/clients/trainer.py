@@ -42,28 +42,33 @@ _PARAM_COPIES = 8
 _ACTIVATION_COPIES = 3
 
 
-def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int) -> np.ndarray:
+def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int,
+                tag: int | None = None) -> np.ndarray:
     """Order in which client ``client_id`` visits its n samples in ``epoch`` of ``round``.
 
     A permutation of ``range(n)`` (int64) from ``np.random.default_rng([seed, round, client_id,
     epoch])`` (ALGORITHMS.md §1), so it does not depend on the rank or chunk a client is trained in.
+    With a ``tag`` (e.g. :data:`mpifl.core.rng.ADAPT_TAG`) the key is ``[seed, round, client_id,
+    epoch, tag]``: a stream of its own, apart from training's.
     """
-    rng = np.random.default_rng([int(seed), int(round), int(client_id), int(epoch)])
+    key = [int(seed), int(round), int(client_id), int(epoch)] + ([] if tag is None else [int(tag)])
+    rng = np.random.default_rng(key)
     return rng.permutation(int(n)).astype(np.int64, copy=False)
 
 
 def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
-                       batch_size: int):
+                       batch_size: int, tag: int | None = None):
     """ALGORITHMS.md §1's minibatches of one client in one round, for per-client loops (the oracles
     and the sequential baseline of ``mpifl bench simulate``).
 
     Yields (b,) int64 positions into the client's n samples: E epochs, each in
-    :func:`batch_order` cut into runs of ``batch_size`` (the last may be shorter); one batch of
-    all n in order per epoch when ``batch_size`` is 0.
+    :func:`batch_order` (keyed with ``tag`` when given) cut into runs of ``batch_size`` (the last
+    may be shorter); one batch of all n in order per epoch when ``batch_size`` is 0.
     """
     size = n if batch_size == 0 else batch_size
     for epoch in range(epochs):
-        order = np.arange(n) if batch_size == 0 else batch_order(seed, round, client_id, epoch, n)
+        order = (np.arange(n) if batch_size == 0
+                 else batch_order(seed, round, client_id, epoch, n, tag))
         for start in range(0, n, size):
             yield order[start:start + size]
 
@@ -108,6 +113,8 @@ class VmapTrainer:
             (stacked parameters, gradients, momentum, padded minibatch activations, samples)
             stays below this many MiB; at least one client per chunk.
         device: where the computation runs (``"cpu"``, ``"cuda"``, ...).
+        order_tag: keys :func:`batch_order` with this tag (None: training's own stream); the
+            trainer of ``run.adapt_epochs`` uses :data:`mpifl.core.rng.ADAPT_TAG`.
 
     Raises:
         ValueError: inconsistent shapes, a layout not matching the model, buffers in the model,
@@ -131,6 +138,7 @@ class VmapTrainer:
         prox_mu: float = 0.0,
         report_accuracy: bool = False,
         pretrain_losses: bool = True,
+        order_tag: int | None = None,
     ):
         _check_model(model, layout)
         if x.shape[0] != y.shape[0] or y.dim() != 1:
@@ -148,6 +156,7 @@ class VmapTrainer:
         self.epochs, self.batch_size = int(epochs), int(batch_size)
         self.momentum, self.weight_decay = float(momentum), float(weight_decay)
         self.seed = int(seed)
+        self.order_tag = None if order_tag is None else int(order_tag)
         self.memory_budget = int(memory_budget_mb * 2**20)
         self.device = torch.device(device)
         self._in_numel = math.prod(x.shape[1:])
@@ -295,6 +304,124 @@ class VmapTrainer:
         loss, acc, counts = self._client_stats(w, sample_idx, (sensitive, num_groups))
         return acc.cpu().numpy(), loss.cpu().numpy(), counts.cpu().numpy()
 
+    @torch.no_grad()
+    def evaluate_adapted(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                         train_idx: Sequence[np.ndarray], test_idx: Sequence[np.ndarray]
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """Evaluation after local adaptation (``run.adapt_epochs``): each client's accuracy and
+        loss on its test samples after this trainer's local SGD (its ``epochs``, batch size,
+        momentum, weight decay; minibatch order keyed by ``order_tag``) from w on its own
+        training samples.
+
+        The same vectorised training as :meth:`train`, in the same memory-bounded chunks; each
+        chunk's trained parameters (c, d) are evaluated at once (:meth:`evaluate_each`) and
+        dropped, so at most one chunk of models is alive.
+
+        Args:
+            w: ``(d,)`` the global parameters every client starts from.
+            round: keys the minibatch order (with ``order_tag``), e.g. the rounds completed.
+            lr: the local learning rate.
+            client_ids: ``(n,)`` int ids of the clients. train_idx, test_idx: n arrays of
+                indices into x, each client's training and test samples.
+
+        Returns:
+            ``accuracy`` ``(n,)`` float64 in [0, 1] and ``loss`` ``(n,)`` float64 (nats); NaN for
+            a client without test samples; a client without training samples is evaluated at w.
+        """
+        w = self._check_w(w)
+        client_ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
+        if not len(client_ids) == len(train_idx) == len(test_idx):
+            raise ValueError(f"{len(client_ids)} client ids, {len(train_idx)} training and "
+                             f"{len(test_idx)} test index arrays")
+        sizes = np.array([len(s) for s in train_idx], dtype=np.int64)
+        acc = np.full(len(sizes), math.nan)
+        loss = np.full(len(sizes), math.nan)
+        idle = np.flatnonzero(sizes == 0)
+        if idle.size:  # nothing to adapt on: the global model itself
+            acc[idle], loss[idle] = self.evaluate(w, [test_idx[i] for i in idle])
+        busy = np.flatnonzero(sizes > 0)
+        for chunk in self.plan_chunks(sizes[busy]):
+            pos = busy[chunk]
+            W = self._train_chunk(w, round, lr, client_ids[pos], [train_idx[i] for i in pos])
+            acc[pos], loss[pos] = self.evaluate_each(W, [test_idx[i] for i in pos])
+        return acc, loss
+
+    @torch.no_grad()
+    def evaluate_each(self, W: Tensor, sample_idx: Sequence[np.ndarray]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Accuracy and mean cross-entropy of client i's own parameters ``W[i]`` on its samples.
+
+        Batched over clients: clients (sorted by sample count, so that a chunk holds similar
+        sizes) are cut into chunks that fit the memory budget; a chunk's samples are padded to
+        its largest client (padding rows weigh 0) and evaluated with one ``vmap`` of
+        ``functional_call`` over the clients' parameter rows per block of sample positions.
+
+        Args:
+            W: ``(n, d)`` per-client parameters (e.g. Ditto's personal models, or the
+                adapted models of :meth:`evaluate_adapted`).
+            sample_idx: n arrays of indices into x (e.g. the clients' test splits).
+
+        Returns:
+            ``accuracy`` ``(n,)`` float64 and ``loss`` ``(n,)`` float64 (nats); NaN for a client
+            without samples — as :meth:`VmapTrainer.evaluate` gives for one shared w.
+
+        Raises:
+            ValueError: W is not ``(len(sample_idx), d)``.
+        """
+        n = len(sample_idx)
+        if tuple(W.shape) != (n, self.layout.d):
+            raise ValueError(f"W must have shape ({n}, {self.layout.d}), got {tuple(W.shape)}")
+        W = W.detach()
+        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
+        ce_sum = np.zeros(n, dtype=np.float64)
+        hits = np.zeros(n, dtype=np.float64)
+        per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
+        per_client = 4 * 2 * self.layout.d  # the chunk's parameter rows (+ their views' copies)
+        forward = vmap(lambda p, xb: functional_call(self.model, p, (xb,)))
+        for chunk in self._eval_chunks(sizes, per_client, per_row):
+            c, n_max = len(chunk), int(sizes[chunk[0]])
+            rows = np.empty((c, n_max), dtype=np.int64)
+            mask = np.zeros((c, n_max), dtype=bool)
+            for j, i in enumerate(chunk):
+                s = np.asarray(sample_idx[i], dtype=np.int64).reshape(-1)
+                rows[j, :len(s)], rows[j, len(s):] = s, s[0]  # padding: own first sample
+                mask[j, :len(s)] = True
+            params = self.layout.unflatten(
+                W[torch.as_tensor(chunk, device=W.device)].to(self.device, torch.float32))
+            block = max(1, (self.memory_budget - c * per_client) // (c * per_row))
+            ce_c = torch.zeros(c, dtype=torch.float64, device=self.device)
+            hit_c = torch.zeros(c, dtype=torch.float64, device=self.device)
+            for lo in range(0, n_max, block):
+                idx, keep = rows[:, lo:lo + block], mask[:, lo:lo + block]
+                xb, yb = self._gather(idx.reshape(-1))
+                xb = xb.view(c, idx.shape[1], *xb.shape[1:])
+                yb = yb.view(c, idx.shape[1])
+                out = forward(params, xb)
+                ce = F.cross_entropy(out.flatten(0, 1), yb.reshape(-1), reduction="none")
+                keep_t = torch.as_tensor(keep, device=self.device)
+                ce_c += torch.where(keep_t, ce.view(c, -1).double(), 0.0).sum(1)
+                hit_c += ((out.argmax(dim=-1) == yb) & keep_t).double().sum(1)
+            ce_sum[chunk] = ce_c.cpu().numpy()
+            hits[chunk] = hit_c.cpu().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            count = sizes.astype(np.float64)
+            return hits / count, ce_sum / count
+
+    def _eval_chunks(self, sizes: np.ndarray, per_client: int, per_row: int) -> list[np.ndarray]:
+        """Clients with samples, largest first, in chunks whose parameter rows and padded
+        samples fit the memory budget (at least one client per chunk; a client whose samples
+        alone exceed it is evaluated in blocks of sample positions)."""
+        order = [int(i) for i in np.argsort(-sizes, kind="stable") if sizes[i] > 0]
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks:
+                c, n_max = len(chunks[-1]) + 1, int(sizes[chunks[-1][0]])
+                if c * (per_client + n_max * per_row) <= self.memory_budget:
+                    chunks[-1].append(i)
+                    continue
+            chunks.append([i])
+        return [np.array(c, dtype=np.int64) for c in chunks]
+
     def plan_chunks(self, sizes: np.ndarray) -> list[np.ndarray]:
         """Split clients (by position) into chunks whose estimated memory fits the budget.
 
@@ -353,7 +480,7 @@ class VmapTrainer:
             per_epoch = steps[i] // self.epochs
             for epoch in range(self.epochs):
                 order = (np.arange(n) if self.batch_size == 0
-                         else batch_order(self.seed, round, cid, epoch, n))
+                         else batch_order(self.seed, round, cid, epoch, n, self.order_tag))
                 # Minibatches are consecutive runs of B samples (one of n when B = 0 or B >= n,
                 # in which case n <= Bp); the tail of the last one is padding.
                 padded = np.full(per_epoch * bp, -1, dtype=np.int64)

@@ -10,6 +10,7 @@ client partition           ``[seed, PARTITION_TAG]``                   data.fede
 client train/test split    ``[seed, k, SPLIT_TAG]``                    data.federated
 Synthetic(alpha, beta)     ``[seed, SYNTHETIC_TAG, k]``                data.synthetic
 minibatch order            ``[seed, round, k, epoch]`` (no tag)        clients.trainer
+adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.trainer
 client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
 FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
 client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
@@ -27,3 +28,6 @@ META_TAG = 0x6D6D6574
 DROPOUT_TAG = 0xD809
 SAMPLING_TAG = 0x5A3
 BENCH_SIMULATE_TAG = 0x51B
+#: run.adapt_epochs: the minibatch order of the local adaptation before an evaluation (round =
+#: rounds completed), a stream apart from training's so the option changes no trained model.
+ADAPT_TAG = 0x6D706164

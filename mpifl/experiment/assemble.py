@@ -9,11 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from mpifl import aggregators
-from mpifl.clients import TRAINERS
+from mpifl.clients import TRAINERS, VmapTrainer
 from mpifl.clients.faults import NaNClients
 from mpifl.clients.meta import MetaStep
 from mpifl.core.errors import ConfigError, MpiflError
 from mpifl.core.layout import ParamLayout
+from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
 from mpifl.experiment.config import Config
 from mpifl.models import build_model
@@ -93,6 +94,26 @@ def make_trainer(cfg: Config, parts: Parts, device: torch.device):
     return NaNClients(trainer, cfg.faults.nan_clients) if cfg.faults.nan_clients else trainer
 
 
+def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
+                 ) -> VmapTrainer | None:
+    """The trainer of evaluation after local adaptation, or None when ``run.adapt_epochs`` is 0.
+
+    The client section's plain local SGD (``client.batch_size``, ``momentum``, ``weight_decay``,
+    ``memory_budget_mb``; none of a rule's own objective or options) for ``run.adapt_epochs``
+    epochs, its minibatch order keyed apart from training's (:data:`ADAPT_TAG`). It shares the
+    sample store of ``trainer`` (the run's trainer on this rank) when given.
+    """
+    if not cfg.run.adapt_epochs:
+        return None
+    c = cfg.client
+    x = getattr(trainer, "x", None)
+    y = getattr(trainer, "y", None)
+    if x is None or y is None:
+        x, y = torch.from_numpy(parts.fed.x).to(device), torch.from_numpy(parts.fed.y).to(device)
+    return VmapTrainer(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
+                       batch_size=c.batch_size, momentum=c.momentum, weight_decay=c.weight_decay,
+                       seed=cfg.run.seed, memory_budget_mb=c.memory_budget_mb, device=device,
+                       pretrain_losses=False, order_tag=ADAPT_TAG)
 
 
 def uses_meta_step(cfg: Config) -> bool:

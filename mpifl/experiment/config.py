@@ -61,6 +61,11 @@ class RunConfig(_Section):
     # 0 = forever. Set it above the longest phase (a round's training; aggregation + evaluation
     # + checkpoint)
     peer_timeout_s: float = Field(0.0, ge=0.0, le=1e7)
+    # evaluation after local adaptation: at every evaluation each client also trains the global
+    # model for this many epochs of plain local SGD on its training split (client section's
+    # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
+    # on resume (it decides which columns the results hold)
+    adapt_epochs: int = Field(0, ge=0, le=100_000)
 
 
 class PluginsConfig(_Section):

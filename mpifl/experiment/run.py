@@ -24,8 +24,8 @@ import torch
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
-from mpifl.experiment.assemble import (build_parts, device_for, make_trainer, meta_step_for,
-                                       trainer_columns, uses_meta_step)
+from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_trainer,
+                                       meta_step_for, trainer_columns, uses_meta_step)
 from mpifl.experiment.config import Config, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
 from mpifl.runtime.comm import MPITransport, bcast_text, world
@@ -256,6 +256,8 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
     parts = agree(comm, lambda: build_parts(cfg))
     trainer = agree(comm, lambda: make_trainer(cfg, parts, device) if rank > 0 or size == 1
                     else None)
+    adapter = agree(comm, lambda: make_adapter(cfg, parts, device, trainer) if rank > 0 or size == 1
+                    else None)
     hosts = comm.gather(socket.gethostname(), root=0) if size > 1 else [socket.gethostname()]
     if rank == 0:
         log.info("%s: %s, %d clients (%d per round), d=%d, %s, %d rank(s)%s", cfg.run.name,
@@ -264,7 +266,7 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
                  f", resuming after round {start.ckpt.round}" if start.ckpt else "")
         log.info("ranks on hosts: %s", ", ".join(f"{r}:{h}" for r, h in enumerate(hosts)))
     if size == 1:
-        clients = LocalClients(trainer, parts.fed, device)
+        clients = LocalClients(trainer, parts.fed, device, adapter)
         try:
             return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
         except MpiflError:
@@ -278,7 +280,7 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)
             return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
-        return serve(transport, trainer, parts.fed, device)
+        return serve(transport, trainer, parts.fed, device, adapter)
     except BaseException as exc:
         _end_all_ranks(transport, rank, exc)
         raise
@@ -329,6 +331,7 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
                            num_layers=len(parts.layout.layers), algorithm=cfg.server.algorithm,
                            group_metrics=group_setup(parts.fed, device) is not None,
                            personal_metrics=aggregator.personal_models,
+                           adapted_metrics=cfg.run.adapt_epochs > 0,
                            history=start.ckpt.history if start.ckpt else None,
                            clients={"num_train": parts.fed.num_train,
                                     "num_test": parts.fed.num_test,

@@ -2,7 +2,8 @@
 a run's last ``k`` evaluations, and runs that differ only in their seed as mean ± std over seeds.
 
 Rows are metrics (mean accuracy, std in percentage points, worst/best 5%, Ditto's personal-model
-mean and worst 5%, FedLF's fair angle,
+mean and worst 5%, the mean and worst 5% after local adaptation (``run.adapt_epochs``), FedLF's
+fair angle,
 mFairFL's client-fairness violation and, on data with a sensitive attribute, the DP/EO/AP
 violations) and, when K <= 10, every client's accuracy; columns are runs.
 """
@@ -60,6 +61,8 @@ def summarise(path: str | Path, last: int = 1) -> dict[str, Any]:
     for key in ("mean", "worst5"):  # Ditto: each client's personal model
         if f"personal/{key}" in ev:
             row[f"personal_{key}"] = tail(f"personal/{key}", 100)
+        if f"adapted/{key}" in ev:  # run.adapt_epochs: after local adaptation
+            row[f"adapted_{key}"] = tail(f"adapted/{key}", 100)
     if acc.size <= PER_CLIENT_MAX:
         row["client_accuracy"] = [100 * float(a) for a in acc]
     return row
@@ -111,6 +114,8 @@ _ROWS = [
     ("std", "std (pp)", "{:.2f}"), ("worst5", "worst 5% (%)", "{:.2f}"),
     ("best5", "best 5% (%)", "{:.2f}"), ("personal_mean", "personal mean acc (%)", "{:.2f}"),
     ("personal_worst5", "personal worst 5% (%)", "{:.2f}"),
+    ("adapted_mean", "adapted mean acc (%)", "{:.2f}"),
+    ("adapted_worst5", "adapted worst 5% (%)", "{:.2f}"),
     ("fair_angle", "fair angle (rad)", "{:.4f}"),
     ("cf", "CF violation (pp)", "{:.2f}"), ("dp", "DP violation", "{:.4f}"),
     ("eo", "EO violation", "{:.4f}"), ("ap", "AP violation", "{:.4f}"),

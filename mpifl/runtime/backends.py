@@ -50,6 +50,26 @@ def evaluate(trainer, w: torch.Tensor, idx, groups) -> tuple[np.ndarray, np.ndar
     return acc, loss, counts.reshape(len(idx), -1)
 
 
+def evaluate_adapted(adapter, fed, w: torch.Tensor, adapt: tuple[int, float],
+                     client_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Evaluation after local adaptation of some clients: (n,) float64 accuracies and losses.
+
+    Args:
+        adapter: the trainer of :func:`mpifl.experiment.assemble.make_adapter` (None: the run
+            has ``run.adapt_epochs = 0``, an error here).
+        fed: the federated data. w: (d,) float32 global parameters.
+        adapt: ``(round, lr)`` of the evaluation (round keys the minibatch order).
+        client_ids: (n,) int64 clients, each adapted on its training and evaluated on its test
+            split.
+    """
+    if adapter is None:
+        raise RuntimeError("an adapted evaluation was requested but run.adapt_epochs is 0 here")
+    rnd, lr = adapt
+    return adapter.evaluate_adapted(w, rnd, lr, client_ids,
+                                    [fed.train_indices(k) for k in client_ids],
+                                    [fed.test_indices(k) for k in client_ids])
+
+
 def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:
     """A trainer's statistics in the shapes :func:`split_stats` gives (float32, (m,) when the
     width is 1, else (m, width)), without gathering them into one buffer first."""
@@ -82,10 +102,12 @@ class LocalClients:
     Args:
         trainer: a :class:`mpifl.clients.VmapTrainer` over the whole sample store.
         fed: the federated data (CSR client index).
+        adapter: the trainer of evaluation after local adaptation, or None (``run.adapt_epochs``
+            = 0; see :func:`mpifl.experiment.assemble.make_adapter`).
     """
 
-    def __init__(self, trainer, fed, device: torch.device):
-        self.trainer, self.fed = trainer, fed
+    def __init__(self, trainer, fed, device: torch.device, adapter=None):
+        self.trainer, self.fed, self.adapter = trainer, fed, adapter
         self.groups = group_setup(fed, device)
 
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
@@ -102,12 +124,17 @@ class LocalClients:
         _, loss = self.trainer.evaluate(w, [self.fed.train_indices(k) for k in client_ids])
         return torch.from_numpy(loss).float().to(w.device), 0
 
-    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None) -> EvalReply:
-        """All K clients at ``w``, and at their own rows of ``personal`` (K, d) if given."""
+    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
+                 adapt: tuple[int, float] | None = None) -> EvalReply:
+        """All K clients at ``w``, at their own rows of ``personal`` (K, d) if given, and after
+        local adaptation from ``w`` if ``adapt = (round, lr)`` is given."""
         idx = [self.fed.test_indices(k) for k in range(self.fed.num_clients)]
         reply = EvalReply(*evaluate(self.trainer, w, idx, self.groups))
         if personal is not None:
             reply.personal_accuracy, reply.personal_loss = self.trainer.evaluate_each(personal, idx)
+        if adapt is not None:
+            reply.adapted_accuracy, reply.adapted_loss = evaluate_adapted(
+                self.adapter, self.fed, w, adapt, np.arange(self.fed.num_clients))
         return reply
 
     def stop(self, code: int = 0) -> None:
@@ -150,11 +177,13 @@ class RemoteClients:
         loss, nbytes = self.transport.request_losses(client_ids, w.detach().cpu().numpy(), bounds)
         return torch.from_numpy(loss).to(self.device), nbytes
 
-    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None) -> EvalReply:
-        """All K clients at ``w``, and at their own rows of ``personal`` (K, d) if given."""
+    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
+                 adapt: tuple[int, float] | None = None) -> EvalReply:
+        """All K clients at ``w``, at their own rows of ``personal`` (K, d) if given, and after
+        local adaptation from ``w`` on the workers if ``adapt = (round, lr)`` is given."""
         return self.transport.request_eval(
             w.detach().cpu().numpy(), self._eval_counts, self._width,
-            None if personal is None else personal.detach().cpu().numpy())
+            None if personal is None else personal.detach().cpu().numpy(), adapt)
 
     def stop(self, code: int = 0) -> None:
         self.transport.stop(code)

@@ -16,9 +16,12 @@ Every request from rank 0 starts with a ``Bcast`` of a small float64 header
   search), same blocks as TRAIN.
 * ``EVAL``: ``Bcast`` of the parameters; each worker evaluates its static share of all K clients;
   ``Gatherv`` of accuracies and losses (K,) float64 and, on data with a sensitive attribute,
-  of per-client group counts (K, G*2*3) float64. With ``flag`` = 1, ``Scatterv`` of per-client
-  parameters (K, d) float32 follows and their accuracies and losses (Ditto's personal models)
-  are gathered too.
+  of per-client group counts (K, G*2*3) float64. With bit :data:`PERSONAL` of ``flag``,
+  ``Scatterv`` of per-client parameters (K, d) float32 follows and their accuracies and losses
+  (Ditto's personal models) are gathered too. With bit :data:`ADAPTED` (``run.adapt_epochs``),
+  each worker also trains its clients locally from the parameters (minibatch order keyed by
+  the header's round, the header's lr) and the adapted accuracies and losses (K,) float64 are
+  gathered last; round and lr are 0 in an EVAL header without it.
 * ``STOP``: workers leave their loop and exit with the status carried in the header.
 
 A rank that waits for another's long phase (workers while rank 0 aggregates, rank 0 while the
@@ -45,6 +48,9 @@ from mpifl.core.wire import Columns
 
 STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
 HEADER_LEN = 5
+#: Bits of an EVAL header's flag: per-client parameters follow (Ditto); evaluate after local
+#: adaptation too (run.adapt_epochs).
+PERSONAL, ADAPTED = 1, 2
 
 
 def _request(method):
@@ -153,6 +159,7 @@ class TrainRequest:
     inputs: np.ndarray | None = None  # (A,) float64 round inputs (TRAIN)
     state: np.ndarray | None = None  # (m_r, s) float32 state rows of this rank's block (TRAIN)
     personal: np.ndarray | None = None  # (K_r, d) float32 per-client parameters (EVAL)
+    adapt: bool = False  # EVAL: evaluate after local adaptation too (round, lr as above)
 
 
 @dataclass
@@ -177,6 +184,8 @@ class EvalReply:
     counts: np.ndarray | None = None  # (K, width) float64 group counts
     personal_accuracy: np.ndarray | None = None
     personal_loss: np.ndarray | None = None
+    adapted_accuracy: np.ndarray | None = None  # after local adaptation (run.adapt_epochs)
+    adapted_loss: np.ndarray | None = None
     bytes_moved: int = 0
 
 
@@ -330,16 +339,21 @@ class MPITransport:
 
     @_request
     def request_eval(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
-                     personal: np.ndarray | None = None) -> EvalReply:
+                     personal: np.ndarray | None = None,
+                     adapt: tuple[int, float] | None = None) -> EvalReply:
         """Rank 0: evaluate all K clients on the workers.
 
         Args:
             counts: (size,) clients per rank (rank 0 has none), from :func:`split_by_samples`.
             width: extra float64 statistics per client (group counts), 0 for none.
             personal: (K, d) float32 per-client parameters to evaluate as well, or None.
+            adapt: ``(round, lr)``: evaluate after local adaptation too (minibatch order keyed
+                by round), or None.
         """
         k = int(counts.sum())
-        self._bcast_header(EVAL, flag=int(personal is not None))
+        flag = (PERSONAL if personal is not None else 0) | (ADAPTED if adapt is not None else 0)
+        rnd, lr = adapt if adapt is not None else (0, 0.0)
+        self._bcast_header(EVAL, rnd, lr, flag=flag)
         self._w[:] = w
         self._collective("Bcast", [self._w, self.MPI.FLOAT])
         sent = self.workers * (self._header.nbytes + self._w.nbytes)
@@ -353,7 +367,11 @@ class MPITransport:
         if personal is not None:
             reply.personal_accuracy = self._gather_f64(counts)
             reply.personal_loss = self._gather_f64(counts)
-        reply.bytes_moved = sent + 8 * k * (2 + width + (2 if personal is not None else 0))
+        if adapt is not None:
+            reply.adapted_accuracy = self._gather_f64(counts)
+            reply.adapted_loss = self._gather_f64(counts)
+        extra = 2 * ((personal is not None) + (adapt is not None))
+        reply.bytes_moved = sent + 8 * k * (2 + width + extra)
         return reply
 
     def stop(self, code: int = 0) -> None:
@@ -387,8 +405,9 @@ class MPITransport:
             req.inputs = self._inputs
         if command == TRAIN and self.columns.state:
             req.state = self._scatterv(None, None, self.columns.state, bounds_of(command, ids))
-        if command == EVAL and flag:
+        if command == EVAL and flag & PERSONAL:
             req.personal = self._scatterv(None, None, self.d, bounds_of(command, ids))
+        req.adapt = command == EVAL and bool(flag & ADAPTED)
         return req
 
     def send_updates(self, updates: np.ndarray, losses: np.ndarray, stats: np.ndarray | None,
@@ -408,11 +427,14 @@ class MPITransport:
         self._gatherv(np.ascontiguousarray(losses, dtype=np.float32), None, None, self.MPI.FLOAT)
 
     def send_eval(self, accuracy: np.ndarray, loss: np.ndarray, stats: np.ndarray | None,
-                  personal: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """Worker: contribute this rank's share of accuracies, losses, (if any) statistics and
-        (for a personal evaluation) the personal accuracies and losses."""
+                  personal: tuple[np.ndarray, np.ndarray] | None = None,
+                  adapted: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Worker: contribute this rank's share of accuracies, losses, (if any) statistics,
+        (for a personal evaluation) the personal accuracies and losses and (for an adapted
+        one) the adapted accuracies and losses, each (K_r,) float64."""
         self._results_ready()
-        arrays = [accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
+        arrays = ([accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
+                  + list(adapted or ()))
         for a in arrays:
             self._gatherv(np.ascontiguousarray(a, np.float64), None, None, self.MPI.DOUBLE)
 

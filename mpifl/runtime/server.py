@@ -181,10 +181,19 @@ class Server:
                    time_aggregate=time.perf_counter() - t0)
         return w, row
 
+    def _adapt(self, rnd: int) -> tuple[int, float] | None:
+        """``(round, lr)`` of the evaluation after round ``rnd`` with local adaptation
+        (``run.adapt_epochs`` > 0), else None: round = rounds completed (keys the minibatch
+        order, with ADAPT_TAG), lr = the learning rate the next round's training would use."""
+        if not self.cfg.run.adapt_epochs:
+            return None
+        c = self.cfg.client
+        return rnd + 1, c.lr * c.lr_decay ** (rnd + 1)
+
     def _evaluate(self, rnd: int, w: torch.Tensor) -> tuple[float, dict]:
         t0 = time.perf_counter()
         rep = self.clients.evaluate(self.aggregator.evaluation_params(w),
-                                    self.aggregator.personal_params(w))
+                                    self.aggregator.personal_params(w), self._adapt(rnd))
         acc, loss = rep.accuracy, rep.loss
         summary = client_summary(acc, self.fed.num_test)
         if rep.counts is not None:  # summed over clients: the union of all test data
@@ -195,7 +204,12 @@ class Server:
             personal = (rep.personal_accuracy, rep.personal_loss)
             summary.update({f"personal/{k}": v for k, v in
                             client_summary(rep.personal_accuracy, self.fed.num_test).items()})
-        self.writer.append_eval(rnd + 1, acc, loss, summary, personal)
+        adapted = None
+        if rep.adapted_accuracy is not None:  # after local adaptation (run.adapt_epochs)
+            adapted = (rep.adapted_accuracy, rep.adapted_loss)
+            summary.update({f"adapted/{k}": v for k, v in
+                            client_summary(rep.adapted_accuracy, self.fed.num_test).items()})
+        self.writer.append_eval(rnd + 1, acc, loss, summary, personal, adapted)
         log.info("round %d/%d: mean acc %.4f, std %.2f pp, worst5 %.4f, best5 %.4f",
                  rnd + 1, self.cfg.run.rounds, summary["mean"], 100 * summary["std"],
                  summary["worst5"], summary["best5"])

@@ -11,11 +11,11 @@ import time
 import numpy as np
 import torch
 
-from mpifl.runtime.backends import evaluate, group_setup, stats_rows
+from mpifl.runtime.backends import evaluate, evaluate_adapted, group_setup, stats_rows
 from mpifl.runtime.comm import EVAL, LOSSES, STOP, TRAIN, MPITransport, split_by_samples
 
 
-def serve(transport: MPITransport, trainer, fed, device: torch.device) -> int:
+def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=None) -> int:
     """Answer rank 0's requests until it sends STOP; returns the exit status STOP carries.
 
     Args:
@@ -23,11 +23,13 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device) -> int:
         trainer: a :class:`mpifl.clients.VmapTrainer` over the whole sample store.
         fed: the federated data (every rank builds the same one from the same seed).
         device: where this rank trains.
+        adapter: the trainer of evaluation after local adaptation (``run.adapt_epochs``), or None.
     """
     block = transport.rank - 1
     workers = transport.workers
     eval_bounds = split_by_samples(fed.num_test, workers)
-    eval_idx = [fed.test_indices(k) for k in range(eval_bounds[block], eval_bounds[block + 1])]
+    eval_ids = np.arange(eval_bounds[block], eval_bounds[block + 1], dtype=np.int64)
+    eval_idx = [fed.test_indices(k) for k in eval_ids]
     groups = group_setup(fed, device)
 
     def mine(client_ids: np.ndarray) -> np.ndarray:
@@ -54,7 +56,11 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device) -> int:
                     else np.empty(0))
             transport.send_losses(loss)
         elif req.command == EVAL:
-            transport.send_eval(*_evaluate(trainer, w, eval_idx, groups, req.personal, device))
+            out = _evaluate(trainer, w, eval_idx, groups, req.personal, device)
+            adapted = None
+            if req.adapt:  # after local adaptation: this rank's share of the clients
+                adapted = evaluate_adapted(adapter, fed, w, (req.round, req.lr), eval_ids)
+            transport.send_eval(*out, adapted)
 
 
 def _train(trainer, fed, w, rnd, lr, ids, inputs, state):

@@ -21,6 +21,10 @@ Layout (also in the README)::
                                     data (only for binary tasks with a sensitive attribute)
     /eval/personal_accuracy, personal_loss   (E, K)  each client's personal model (Ditto only)
     /eval/personal/<summary> (E,)   the summaries of the personal accuracies (Ditto only)
+    /eval/adapted/client_accuracy, client_loss   (E, K)  after local adaptation: each client's
+                                    global model trained run.adapt_epochs local epochs (only
+                                    with run.adapt_epochs > 0; absent = off)
+    /eval/adapted/<summary>  (E,)   the summaries of the adapted accuracies
     /model/global            (d,)   float32, final global parameters, named_parameters order
     /model/layer_names, layer_start, layer_stop   (L,) the layer map (module -> slice of /model/global)
 
@@ -64,6 +68,8 @@ FLUSH_SECONDS = 1.0
 GROUP_KEYS = ("group/dp", "group/eo", "group/ap")
 #: /eval summaries of personal models (rules with ``personal_params``, e.g. Ditto).
 PERSONAL_KEYS = tuple(f"personal/{k}" for k in SUMMARY_KEYS)
+#: /eval summaries after local adaptation (``run.adapt_epochs`` > 0).
+ADAPTED_KEYS = tuple(f"adapted/{k}" for k in SUMMARY_KEYS)
 
 #: /rounds columns: name -> (dtype, unit/description), written once per round.
 ROUND_COLUMNS: dict[str, tuple[str, str]] = {
@@ -153,11 +159,12 @@ class MetricHistory:
     """
 
     def __init__(self, num_clients: int, num_layers: int, group_metrics: bool = False,
-                 personal_metrics: bool = False) -> None:
+                 personal_metrics: bool = False, adapted_metrics: bool = False) -> None:
         self.num_clients, self.num_layers = num_clients, num_layers
-        self.personal_metrics = personal_metrics
+        self.personal_metrics, self.adapted_metrics = personal_metrics, adapted_metrics
         self.summary_keys = (SUMMARY_KEYS + (GROUP_KEYS if group_metrics else ())
-                             + (PERSONAL_KEYS if personal_metrics else ()))
+                             + (PERSONAL_KEYS if personal_metrics else ())
+                             + (ADAPTED_KEYS if adapted_metrics else ()))
         self.rounds: dict[str, list] = {
             name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS, **SELECTION_COLUMNS}}
         self.eval_round: list[int] = []
@@ -165,6 +172,8 @@ class MetricHistory:
         self.loss: list[np.ndarray] = []
         self.personal_accuracy: list[np.ndarray] = []
         self.personal_loss: list[np.ndarray] = []
+        self.adapted_accuracy: list[np.ndarray] = []
+        self.adapted_loss: list[np.ndarray] = []
         self.summary: dict[str, list[float]] = {name: [] for name in self.summary_keys}
 
     def add_round(self, row: dict[str, Any]) -> None:
@@ -174,14 +183,20 @@ class MetricHistory:
             self.rounds[name].append(row.get(name) if name in SELECTION_COLUMNS else row[name])
 
     def add_eval(self, round_done: int, accuracy: np.ndarray, loss: np.ndarray,
-                 summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None
-                 ) -> None:
+                 summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None,
+                 adapted: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """One evaluation: (K,) float64 accuracies and losses, the summaries (every
+        ``summary_keys``), and the (accuracy (K,), loss (K,)) pairs of the personal models and
+        after adaptation when the history has them."""
         self.eval_round.append(int(round_done))
         self.accuracy.append(np.asarray(accuracy, dtype=np.float64))
         self.loss.append(np.asarray(loss, dtype=np.float64))
         if self.personal_metrics:
             self.personal_accuracy.append(np.asarray(personal[0], dtype=np.float64))
             self.personal_loss.append(np.asarray(personal[1], dtype=np.float64))
+        if self.adapted_metrics:
+            self.adapted_accuracy.append(np.asarray(adapted[0], dtype=np.float64))
+            self.adapted_loss.append(np.asarray(adapted[1], dtype=np.float64))
         for name in self.summary_keys:
             self.summary[name].append(float(summary[name]))
 
@@ -205,6 +220,9 @@ class MetricHistory:
         if self.personal_metrics:
             out += [("personal_accuracy", self.personal_accuracy),
                     ("personal_loss", self.personal_loss)]
+        if self.adapted_metrics:
+            out += [("adapted/client_accuracy", self.adapted_accuracy),
+                    ("adapted/client_loss", self.adapted_loss)]
         return out
 
     @classmethod
@@ -212,7 +230,8 @@ class MetricHistory:
         """Inverse of :meth:`to_group` (raises KeyError if a column is missing); a history
         written under schema ``version`` 1 has its std converted to a fraction."""
         h = cls(g["eval/client_accuracy"].shape[1], g["rounds/conflicts_layer"].shape[1],
-                group_metrics="eval/group" in g, personal_metrics="eval/personal_accuracy" in g)
+                group_metrics="eval/group" in g, personal_metrics="eval/personal_accuracy" in g,
+                adapted_metrics="eval/adapted" in g)
         num_rounds = len(g["rounds/round"])
         for name in h.rounds:
             if f"rounds/{name}" not in g and name in (*_LATER_COLUMNS, *SELECTION_COLUMNS):
@@ -225,6 +244,9 @@ class MetricHistory:
         if h.personal_metrics:
             h.personal_accuracy = list(g["eval/personal_accuracy"][()])
             h.personal_loss = list(g["eval/personal_loss"][()])
+        if h.adapted_metrics:
+            h.adapted_accuracy = list(g["eval/adapted/client_accuracy"][()])
+            h.adapted_loss = list(g["eval/adapted/client_loss"][()])
         for name in h.summary_keys:
             h.summary[name] = g[f"eval/{name}"][()].tolist()
             if version == 1 and name in ("std", "personal/std"):  # was percentage points
@@ -246,6 +268,8 @@ class ResultsWriter:
         config_json: the validated config as JSON text.
         world_size: MPI ranks of the run.
         num_clients: K, the width of the per-client evaluation arrays.
+        adapted_metrics: the run evaluates after local adaptation (``run.adapt_epochs`` > 0):
+            /eval/adapted/... is written.
         history: rows to write first (a resumed run rewrites its results from its checkpoint);
             kept up to date with every later append, for the next checkpoint.
         clients: the /clients datasets (CLIENT_COLUMNS: ``num_train``, ``num_test`` (K,) and
@@ -258,26 +282,30 @@ class ResultsWriter:
     def __init__(self, path: Path, config_json: str, *, world_size: int, num_clients: int,
                  num_layers: int, algorithm: str, group_metrics: bool = False,
                  personal_metrics: bool = False, history: MetricHistory | None = None,
-                 clients: dict[str, np.ndarray] | None = None):
+                 clients: dict[str, np.ndarray] | None = None, adapted_metrics: bool = False):
         self.path = Path(path)
         clean_stale_temporaries(self.path.parent, f".{self.path.name}.tmp-")
         self.attrs = {"schema_version": SCHEMA_VERSION, "mpifl_version": __version__,
                       "config": config_json, "world_size": world_size,
                       "num_clients": num_clients, "algorithm": algorithm, "status": "running"}
-        self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
+        self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
+                                     adapted_metrics)
         self.clients = {k: np.asarray(v, dtype=np.int64) for k, v in (clients or {}).items()}
         self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
         self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
         self._pending = self._eval_pending = False
-        old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics)
+        old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
+                                       adapted_metrics)
         for i in range(len(old.rounds["round"])):
             self.append_round({name: col[i] for name, col in old.rounds.items()}, flush=False)
         for i, rnd in enumerate(old.eval_round):
             personal = ((old.personal_accuracy[i], old.personal_loss[i])
                         if personal_metrics else None)
+            adapted = ((old.adapted_accuracy[i], old.adapted_loss[i])
+                       if adapted_metrics else None)
             self.append_eval(rnd, old.accuracy[i], old.loss[i],
                              {name: old.summary[name][i] for name in old.summary_keys}, personal,
-                             flush=False)
+                             adapted, flush=False)
         self.flush()
 
     def _fill(self, f: h5py.File) -> None:
@@ -288,6 +316,9 @@ class ResultsWriter:
             f["rounds"][name].attrs["unit"] = unit
         ev = f["eval"]
         ev["client_accuracy"].attrs["unit"] = "fraction in [0, 1]"
+        if "adapted" in ev:
+            ev["adapted/client_accuracy"].attrs["unit"] = (
+                "fraction in [0, 1], after run.adapt_epochs local epochs from the global model")
         ev["std"].attrs["unit"] = "fraction (population std of the clients' accuracies)"
         for name, (_, unit, _) in SELECTION_COLUMNS.items():
             f["rounds"][name].attrs["unit"] = unit
@@ -342,10 +373,12 @@ class ResultsWriter:
 
     def append_eval(self, round_done: int, accuracy: np.ndarray, loss: np.ndarray,
                     summary: dict[str, float], personal: tuple[np.ndarray, np.ndarray] | None = None,
+                    adapted: tuple[np.ndarray, np.ndarray] | None = None,
                     flush: bool = True) -> None:
         """Append one evaluation: (K,) accuracies and losses and their summary; ``personal``
-        (accuracy (K,), loss (K,)) of the personal models when the run has them."""
-        self.history.add_eval(round_done, accuracy, loss, summary, personal)
+        (accuracy (K,), loss (K,)) of the personal models and ``adapted`` (the same after local
+        adaptation) when the run has them."""
+        self.history.add_eval(round_done, accuracy, loss, summary, personal, adapted)
         self._pending = True
         if flush:
             self._eval_pending = True  # written with the round's row (append_round)
@@ -368,9 +401,11 @@ class ResultsWriter:
 
 
 #: /eval datasets that are fractions in [0, 1] (NaN allowed: no test data, or a diverged run).
-_FRACTIONS = ("client_accuracy", "personal_accuracy", "mean", "weighted_mean", "std", "worst5",
-              "best5", "cf", "group/dp", "group/eo", "group/ap") + tuple(
-    f"personal/{k}" for k in ("mean", "weighted_mean", "std", "worst5", "best5", "cf"))
+_FRACTIONS = ("client_accuracy", "personal_accuracy", "adapted/client_accuracy", "mean",
+              "weighted_mean", "std", "worst5", "best5", "cf", "group/dp", "group/eo",
+              "group/ap") + tuple(
+    f"{sub}/{k}" for sub in ("personal", "adapted")
+    for k in ("mean", "weighted_mean", "std", "worst5", "best5", "cf"))
 
 
 def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.ndarray],
@@ -394,7 +429,7 @@ def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.nda
         if name in ev:
             v = np.asarray(ev[name], dtype=np.float64)
             bad(f"/eval/{name}", v, np.isnan(v) | ((v >= 0) & (v <= 1)))
-    for name in ("client_loss", "personal_loss"):
+    for name in ("client_loss", "personal_loss", "adapted/client_loss"):
         if name in ev:
             v = np.asarray(ev[name], dtype=np.float64)
             bad(f"/eval/{name}", v, np.isnan(v) | (v >= 0))
@@ -452,7 +487,7 @@ def read_results(path: str | Path) -> dict[str, Any]:
                 )
             rounds = {k: f["rounds"][k][()] for k in f["rounds"]}
             ev = {k: f["eval"][k][()] for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
-            for sub in ("group", "personal"):
+            for sub in ("group", "personal", "adapted"):
                 ev.update({f"{sub}/{k}": f["eval"][sub][k][()] for k in f["eval"].get(sub, {})})
             clients = {k: f["clients"][k][()] for k in f.get("clients", {})}
     except OutputError:
