@@ -107,6 +107,12 @@ def test_bad_figures_file_is_one_line_exit_2(tmp_path):
     assert out.stderr.count("\n") == 1 and "row 1: metric: " in out.stderr, out.stderr
     out = mpifl("reproduce", "nope", "--suites", suites, "--doc", tmp_path / "R.md", code=2)
     assert "unknown suite 'nope'; known: a" in out.stderr
+    (suites / FIGURES).write_text('[[row]]\nsuite = "a"\nsection = "s"\nmethod = "m"\n'
+                                  'metric = "mean"\n\n[[row]]\nsuite = "typo"\nsection = "s"\n'
+                                  'method = "m"\nmetric = "mean"\n')
+    out = mpifl("reproduce", "a", "--suites", suites, "--report-only", "--out", tmp_path / "o",
+                "--doc", tmp_path / "R.md", code=2)
+    assert "suite 'typo' has no file" in out.stderr and out.stderr.count("\n") == 1
     assert not (tmp_path / "R.md").exists()
 
 

@@ -122,28 +122,28 @@ def load_figures(path: Path) -> list[FigureRow]:
     return out
 
 
-def run_metric(path: Path, metric: str, last: int) -> float:
+def run_metric(res: dict[str, Any], metric: str, last: int) -> float:
     """One run's ``metric`` in the table's units: the mean of its last ``last`` evaluations
     (accuracies in %, std and violations in pp); for ``rounds_to:X``, the number of rounds
     until the mean accuracy first reached X% (``inf`` if it never did); for ``mc``/``lc``, the
-    mean conflict count a round over all rounds.
+    mean conflict count a round over all rounds. ``res``: the run's
+    :func:`mpifl.store.results.read_results`.
 
     Raises:
-        OutputError: unreadable results, no evaluation, or a metric the run did not record.
+        OutputError: no evaluation yet, or a metric the run did not record.
     """
-    res = read_results(path)
     if metric in ("mc", "lc"):
         counts = res["rounds"]["conflicts_model" if metric == "mc" else "conflicts_layer"]
         return float(counts.reshape(len(counts), -1).sum(axis=1).mean())
     ev = res["eval"]
     if ev["round"].size == 0:
-        raise OutputError(f"{path}: no evaluation yet")
+        raise OutputError("no evaluation yet")
     if metric.startswith("rounds_to:"):
         reached = np.flatnonzero(ev["mean"] >= _milestone(metric) / 100)
         return float(ev["round"][reached[0]] + 1) if reached.size else math.inf
     name = f"group/{metric}" if metric in ("dp", "eo", "ap") else metric
     if name not in ev:
-        raise OutputError(f"{path}: the run did not record {metric}")
+        raise OutputError(f"the run did not record {metric}")
     return 100.0 * float(np.mean(ev[name][-max(1, last):]))
 
 
@@ -192,7 +192,7 @@ def measure(row: FigureRow, folder: Path, last: int) -> Measured:
             res = read_results(path)
             if res["attrs"].get("status") != "complete":
                 raise OutputError("not complete")
-            out.values.append(run_metric(path, row.metric, last))
+            out.values.append(run_metric(res, row.metric, last))
         except OutputError:
             out.missing += 1
             continue

@@ -63,10 +63,12 @@ def write_doc(folder: Path, out: Path, doc: Path, suites: dict[str, Path], last:
         ConfigError: a bad figures file, or one naming a suite that has no file.
         OutputError: ``doc``'s folder does not exist or is not writable.
     """
-    rows = [r for r in load_figures(folder / FIGURES) if r.suite in suites]
-    for r in rows:
-        if r.suite not in suites:
+    every = suite_files(folder, [])
+    rows = load_figures(folder / FIGURES)
+    for r in rows:  # all rows, not only the chosen suites': a typo must not hide a row
+        if r.suite not in every:
             raise ConfigError(f"{folder / FIGURES}: suite {r.suite!r} has no file in {folder}")
+    rows = [r for r in rows if r.suite in suites]
     measured = [measure(r, out / r.suite, last) for r in rows]
     text = render(rows, measured, command=_command(), machine=_machine(),
                   suites={n: (suite_header(p), suite_seconds(out / n)) for n, p in suites.items()
