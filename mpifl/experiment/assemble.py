@@ -106,8 +106,9 @@ def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
     if not cfg.run.adapt_epochs:
         return None
     c = cfg.client
-    x = getattr(trainer, "x", None)
-    y = getattr(trainer, "y", None)
+    inner = getattr(trainer, "trainer", trainer)  # NaNClients wraps the run's trainer
+    x = getattr(inner, "x", None)
+    y = getattr(inner, "y", None)
     if x is None or y is None:
         x, y = torch.from_numpy(parts.fed.x).to(device), torch.from_numpy(parts.fed.y).to(device)
     return VmapTrainer(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
