@@ -53,6 +53,12 @@ class RoundUpdates:
         loss_at: optional evaluation-only probe: ``loss_at(step)`` returns the (m,) float32
             mean training losses of these clients at ``w^t - step`` (step (d,) like a returned
             step), asking the clients without training them (FedMDFG's line search).
+        shards: the server's :class:`~mpifl.aggregators.shards.ShardGroup` when it is sharded
+            (``server.shards = P > 1``): then ``updates`` is this shard's column block
+            (m, hi - lo), ``layers`` the layer map clipped to it (empty slices allowed), the
+            returned step is this shard's block, and every sum over coordinates goes through
+            :meth:`total` (or :meth:`gram`, :meth:`dots`, :meth:`dot`, :meth:`norm`). None:
+            one server holds everything, and these methods are today's plain expressions.
 
     Numpy arrays and lists are accepted for every array field and converted on construction.
 
@@ -70,6 +76,7 @@ class RoundUpdates:
     layers: list[slice] | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     loss_at: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shards: Any = None
 
     def __post_init__(self) -> None:
         self.round = _index(self.round, "round")
@@ -125,15 +132,53 @@ class RoundUpdates:
             raise ValueError("client_ids must be distinct within a round")
         return arr
 
+    # ---- sums over coordinates: over every shard's block when the server is sharded --------
+
+    def total(self, x: Any) -> np.ndarray:
+        """A partial sum over this block's coordinates summed over all shards, as float64
+        numpy (bit-identical on every shard); ``x`` itself as float64 numpy when unsharded."""
+        if self.shards is None:
+            return np.asarray(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x,
+                              dtype=np.float64)
+        return self.shards.allsum(x)
+
+    def gram(self, X: torch.Tensor) -> np.ndarray:
+        """(n, n) float64 ``X X^T`` of (n, d) rows (:func:`~mpifl.aggregators.gram.gram`),
+        over all coordinates."""
+        from mpifl.aggregators.gram import gram
+
+        return gram(X) if self.shards is None else self.shards.allsum(gram(X))
+
+    def dots(self, A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(n,) ``A @ v`` of (n, d) rows with a (d,) vector, over all coordinates, in A's dtype
+        and on its device."""
+        if self.shards is None:
+            return A @ v
+        return torch.as_tensor(self.shards.allsum(A @ v), dtype=A.dtype, device=A.device)
+
+    def dot(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """``x . y`` of two (d,) vectors over all coordinates."""
+        return float(x @ y) if self.shards is None else float(self.shards.allsum(float(x @ y)))
+
+    def norm(self, x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+        """``torch.linalg.vector_norm(x, dim=dim)`` over all coordinates (``dim`` None or the
+        coordinate axis 1 of an (n, d) matrix), in x's dtype and on its device."""
+        if self.shards is None:
+            return torch.linalg.vector_norm(x, dim=dim)
+        sq = torch.linalg.vector_norm(x.double(), dim=dim) ** 2
+        return torch.as_tensor(np.sqrt(self.shards.allsum(sq)), dtype=x.dtype, device=x.device)
+
     def _check_layers(self) -> None:
         if self.layers is None:
             return
         self.layers = list(self.layers)
+        shard = self.shards is not None  # a shard's clipped layer map may hold empty layers
         for s in self.layers:
             try:
+                lo, hi = operator.index(s.start), operator.index(s.stop)
                 ok = (isinstance(s, slice) and s.step in (None, 1)
-                      and 0 <= operator.index(s.start) < operator.index(s.stop) <= self.d)
-            except TypeError:
+                      and 0 <= lo and hi <= self.d and (lo < hi or (shard and lo == hi)))
+            except (TypeError, AttributeError):
                 ok = False
             if not ok:
                 raise ValueError(f"layers must be slices within [0, {self.d}), got {s!r}")
@@ -240,6 +285,16 @@ class Aggregator:
     #: default, to be safe). False lets the trainer skip the forward pass that measures them;
     #: ``losses`` is then the first epoch's mean training loss (``/rounds/train_loss``, README).
     needs_losses: ClassVar[bool] = True
+    #: True for rules that run on a sharded server (``server.shards > 1``, issue 14): their
+    #: ``aggregate`` takes every sum over coordinates through RoundUpdates.total/gram/dots/
+    #: dot/norm, acts on ``r.updates`` as a column block, and keeps any d-sized state only in
+    #: the keys of :attr:`sharded_state`. Rules that leave it False say why in
+    #: :attr:`shards_note` (shown in the config error and in docs/ALGORITHMS.md).
+    supports_shards: ClassVar[bool] = False
+    #: State keys (of :meth:`state_dict`) whose arrays are (N, block) column blocks of rows:
+    #: each shard checkpoints its own block, and a resume with another P re-cuts them.
+    sharded_state: ClassVar[tuple[str, ...]] = ()
+    shards_note: ClassVar[str] = "not adapted to a sharded server"
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         self.seed = check_seed(seed)

@@ -54,6 +54,9 @@ class Ditto(FedAvg):
             missing/mis-shaped ``stats["client_state"]``.
     """
 
+    supports_shards = False
+    shards_note = "its personal models (K, d) are sent to and kept at one place"
+
     needs_num_clients: ClassVar[bool] = True
     trainer_kind: ClassVar[str] = "ditto"
     personal_models: ClassVar[bool] = True

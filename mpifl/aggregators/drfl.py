@@ -31,6 +31,8 @@ class DRFL(Aggregator):
         ValueError: in ``aggregate``, a negative or non-finite loss.
     """
 
+    supports_shards = True  # weighted sums of rows: each shard applies the weights to its block
+
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """(d,) step in the dtype and on the device of ``r.updates``."""

@@ -29,6 +29,7 @@ class FedAvg(Aggregator):
     """
 
     needs_losses = False  # reads no RoundUpdates.losses (nor do FedProx, Ditto, FedMeta)
+    supports_shards = True  # weighted sums of rows: each shard applies the weights to its block
 
     class Params(Params):
         #: ``"samples"``: p_k = n_k / sum n_j (the paper); ``"uniform"``: p_k = 1/m.

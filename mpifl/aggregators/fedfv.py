@@ -26,7 +26,6 @@ from pydantic import Field
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
-from mpifl.aggregators.gram import gram
 from mpifl.aggregators.history import HistoryRing
 from mpifl.core.params import Params
 
@@ -134,6 +133,10 @@ class FedFV(Aggregator):
         self._ring = HistoryRing("fedfv")
         self._last_round = -1
 
+    #: Gram form: every d-sum goes through RoundUpdates; the ring holds this shard's columns
+    supports_shards = True
+    sharded_state = ("history_updates",)
+
     # ---- public -----------------------------------------------------------------------------
 
     @property
@@ -151,14 +154,14 @@ class FedFV(Aggregator):
         kept[po[m - num_kept(m, self.alpha):]] = True
         # the only O(m^2 d) work; the m x m recursion then runs in float64 on the CPU (O(m^3),
         # no kernel launch per target), so reordering the sums costs no accuracy
-        G = gram(U)
+        G = r.gram(U)                                # summed over shards when sharded
         C = internal_coefficients(G, po, kept)
         a = (1.0 - C.sum(axis=0)) / m                # g = (1/m) 1^T (I - C) U
         g = torch.as_tensor(a, dtype=U.dtype, device=U.device) @ U
         self._ring.supersede(r.client_ids)           # history takes the current round first
         g = self._external(g, r)
         self._push(r)
-        return _rescale(g, U)
+        return rescale_to_mean(g, U, r)
 
     def state_dict(self) -> dict[str, np.ndarray | int | float | str]:
         """Hyper-parameters, last round and the history ring as flat numpy arrays.
@@ -235,7 +238,7 @@ class FedFV(Aggregator):
         if self.tau == 0 or r.round < self.tau:
             return g
         for H, latest in self._window(r):
-            p = (H @ g).to(torch.float64).cpu().numpy()    # g . u_k, tested with the current g
+            p = r.dots(H, g).to(torch.float64).cpu().numpy()  # g . u_k, with the current g
             conflict = latest & (p < 0)
             if not conflict.any():
                 continue
@@ -243,13 +246,14 @@ class FedFV(Aggregator):
             dot = float(p[conflict].sum())                 # = g . g_con
             if dot < 0:
                 # g_con is needed explicitly for the update, so its norm costs one O(d) dot
-                g = g - (dot / float(g_con @ g_con)) * g_con
+                g = g - (dot / r.dot(g_con, g_con)) * g_con
         return g
 
 
-def _rescale(g: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """``g * ||mean u|| / ||g||``, or zeros when ``||g|| == 0`` (ALGORITHMS.md §3.6)."""
-    gn = torch.linalg.vector_norm(g)
+def rescale_to_mean(g: torch.Tensor, U: torch.Tensor, r: RoundUpdates) -> torch.Tensor:
+    """``g * ||mean u|| / ||g||``, or zeros when ``||g|| == 0`` (ALGORITHMS.md §3.6); norms
+    over all shards' coordinates."""
+    gn = r.norm(g)
     if float(gn) == 0.0:
         return torch.zeros_like(g)
-    return g * (torch.linalg.vector_norm(U.mean(dim=0)) / gn)
+    return g * (r.norm(U.mean(dim=0)) / gn)

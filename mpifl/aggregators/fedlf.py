@@ -69,8 +69,9 @@ Defaults: no hyper-parameters besides ``zero_tol``; the paper's rules (ALGORITHM
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,7 +148,7 @@ class Direction:
 
 
 def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | None = None,
-                    zero_tol: float = ZERO_TOL) -> Direction:
+                    zero_tol: float = ZERO_TOL, total: Callable[[Any], np.ndarray] | None = None) -> Direction:
     """FedLF's unscaled direction ``d = concat(d_l)`` (ALGORITHMS.md §5.2-5.5).
 
     Args:
@@ -157,6 +158,9 @@ def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | N
         losses: (m,) the selected clients' losses at ``w^t``.
         layers: slices that tile ``[0, D)`` in order (None: the whole model is one layer).
         zero_tol: ``d_l`` is zero when ``||d_l|| <= zero_tol * mu_l``.
+        total: sums a partial sum over X's columns over every shard of a sharded server
+            (:meth:`RoundUpdates.total`; X is then one shard's column block and ``layers`` the
+            layer map clipped to it, empty layers allowed); None: X has every column.
     Returns:
         :class:`Direction` with ``d`` (D,) float64 on ``X.device``.
     Raises:
@@ -164,19 +168,20 @@ def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | N
     """
     if X.ndim != 2 or not 1 <= m <= X.shape[0]:
         raise ValueError(f"fedlf: X must be (n, D) with n >= m >= 1, got {tuple(X.shape)}, m={m}")
-    slices = layer_slices(layers, X.shape[1])
+    total = total or (lambda x: np.asarray(x, dtype=np.float64))
+    slices = layer_slices(layers, X.shape[1], allow_empty=total is not None)
     h = fair_weights(losses)
     if h.shape != (m,):
         raise ValueError(f"fedlf: {h.size} losses for {m} clients")
     X = X.to(torch.float64)             # one upcast (n D 8 bytes), shared by Grams and d
-    grams = [gram(X[:, s]) for s in slices]
+    grams = [total(gram(X[:, s])) for s in slices]
     groups: list[list[int]] = [[i] for i in range(len(slices))]
     solved: list[GroupSolution | None] = [None] * len(groups)
     d = torch.zeros(X.shape[1], dtype=torch.float64, device=X.device)
     i = 0
     while i < len(groups):
         sol = _solve_group(groups[i], sum(grams[j] for j in groups[i]), m, h)
-        sol.norm = _fill(d, X, [slices[j] for j in groups[i]], sol.coef)
+        sol.norm = _fill(d, X, [slices[j] for j in groups[i]], sol.coef, total)
         if sol.norm <= zero_tol * sol.mu and len(groups) > 1:
             lo = i if i + 1 < len(groups) else i - 1           # merge with next (prev if last)
             groups[lo:lo + 2] = [groups[lo] + groups[lo + 1]]
@@ -188,13 +193,15 @@ def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | N
     return Direction(d, [s for s in solved if s is not None])
 
 
-def layer_slices(layers: Sequence[slice] | None, D: int) -> list[slice]:
-    """The layer slices, checked to tile ``[0, D)`` in order; ``[slice(0, D)]`` for None."""
+def layer_slices(layers: Sequence[slice] | None, D: int, allow_empty: bool = False) -> list[slice]:
+    """The layer slices, checked to tile ``[0, D)`` in order; ``[slice(0, D)]`` for None.
+    ``allow_empty``: a shard's clipped layer map, where layers outside its block are empty."""
     if layers is None:
         return [slice(0, D)]
     out, pos = [], 0
     for s in layers:
-        if s.start != pos or s.stop <= s.start or s.step not in (None, 1):
+        empty_ok = allow_empty and s.stop == s.start
+        if s.start != pos or (s.stop <= s.start and not empty_ok) or s.step not in (None, 1):
             raise ValueError(f"fedlf: layers must tile [0, {D}) in order, got {list(layers)}")
         out.append(slice(s.start, s.stop))
         pos = s.stop
@@ -203,14 +210,16 @@ def layer_slices(layers: Sequence[slice] | None, D: int) -> list[slice]:
     return out
 
 
-def _fill(d: torch.Tensor, X: torch.Tensor, slices: list[slice], coef: np.ndarray) -> float:
-    """Write ``coef @ X[:, s]`` into ``d[s]`` for the group's slices; return the group's norm."""
+def _fill(d: torch.Tensor, X: torch.Tensor, slices: list[slice], coef: np.ndarray,
+          total: Callable[[Any], np.ndarray]) -> float:
+    """Write ``coef @ X[:, s]`` into ``d[s]`` for the group's slices; return the group's norm
+    (over every shard's columns)."""
     c = torch.as_tensor(coef, dtype=torch.float64, device=X.device)
     sq = 0.0
     for s in slices:
         d[s] = c @ X[:, s]
         sq += float(d[s] @ d[s])
-    return math.sqrt(sq)
+    return math.sqrt(float(total(sq)))
 
 
 def _solve_group(layers: list[int], K: np.ndarray, m: int, h: np.ndarray) -> GroupSolution:
@@ -274,6 +283,9 @@ class FedLF(Aggregator):
             a changed dimension, layers that do not tile the model, non-finite losses.
     """
 
+    supports_shards = True  # layer Grams summed over shards; the ring holds this shard's columns
+    sharded_state = ("history_rows",)
+
     def __init__(self, *, zero_tol: float = ZERO_TOL, seed: int = 0) -> None:
         super().__init__(seed=seed)
         if isinstance(zero_tol, bool) or not isinstance(zero_tol, (int, float)) \
@@ -282,6 +294,7 @@ class FedLF(Aggregator):
         self.zero_tol = float(zero_tol)
         self._seen: dict[int, int] = {}      # client -> round of its latest gradient
         self._ring = HistoryRing("fedlf")    # absent clients' latest gradients g = u / lr
+        # (on a sharded server: this shard's columns of them)
         self._m_ref = 0                      # nominal round size: the largest m so far
         self._last_round = -1
         self.last_direction: Direction | None = None
@@ -306,8 +319,9 @@ class FedLF(Aggregator):
         self.last_tau = self._tau(len(self._seen))
         hist = self._history(r.round, r.client_ids, self.last_tau)
         X = torch.cat([g, hist.rows]) if len(hist) else g
-        direction = fedlf_direction(X, m, r.losses.cpu().numpy(), r.layers, self.zero_tol)
-        d = self._rescale(direction.d, g)
+        direction = fedlf_direction(X, m, r.losses.cpu().numpy(), r.layers, self.zero_tol,
+                                    None if r.shards is None else r.total)
+        d = self._rescale(direction.d, g, r)
         self.last_direction, self.last_history_ids = direction, hist.ids
         self._record(r, g)
         return (r.lr * d).to(dtype=U.dtype)
@@ -351,18 +365,18 @@ class FedLF(Aggregator):
 
     # ---- steps ------------------------------------------------------------------------------
 
-    def _rescale(self, d: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """``d * ||mean g|| / ||d||`` (float64), or d itself if it conflicts (ALGORITHMS.md §5.7)."""
+    def _rescale(self, d: torch.Tensor, g: torch.Tensor, r: RoundUpdates) -> torch.Tensor:
+        """``d * ||mean g|| / ||d||`` (float64), or d itself if it conflicts (ALGORITHMS.md §5.7);
+        norms and dots over every shard's coordinates."""
         self.last_fallback = False
-        dn = float(torch.linalg.vector_norm(d))
+        dn = float(r.norm(d))
         if dn == 0.0:
             return d
         g64 = g.to(torch.float64)
-        target = float(torch.linalg.vector_norm(g64.mean(dim=0)))
+        target = float(r.norm(g64.mean(dim=0)))
         scaled = d * (target / dn)
-        dots = g64 @ scaled
-        bound = CONFLICT_TOL * torch.linalg.vector_norm(g64, dim=1) * float(
-            torch.linalg.vector_norm(scaled))
+        dots = r.dots(g64, scaled)
+        bound = CONFLICT_TOL * r.norm(g64, dim=1) * float(r.norm(scaled))
         if bool((dots < -bound).any()):
             self.last_fallback = True
             return d

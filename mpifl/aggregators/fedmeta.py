@@ -62,6 +62,8 @@ class FedMeta(FedAvg):
 
     #: the server applies MetaStep after this rule's aggregation
     meta_step: ClassVar[bool] = True
+    supports_shards = False
+    shards_note = "its meta step trains the whole model on the server's meta set at one place"
 
     class Params(FedAvg.Params):
         #: step size of the meta step (> 0).

@@ -26,7 +26,6 @@ import torch
 from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
-from mpifl.aggregators.gram import gram
 from mpifl.aggregators.qp import solve_simplex_qp
 from mpifl.core.params import Params
 
@@ -63,6 +62,8 @@ class FedMGDAPlus(Aggregator):
         #: server step size.
         eta: float = Field(1.0, gt=0.0)
 
+    supports_shards = True  # Gram matrix summed over shards, then a weighted sum of rows
+
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
         self.eps, self.eta = self.params.eps, self.params.eta
@@ -73,7 +74,7 @@ class FedMGDAPlus(Aggregator):
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """(d,) step in the dtype and on the device of ``r.updates``."""
         U = r.updates
-        G = gram(U)  # the only O(m^2 d) work
+        G = r.gram(U)  # the only O(m^2 d) work (summed over shards)
         c = self.coefficients(r, G)
         return torch.as_tensor(c, dtype=U.dtype, device=U.device) @ U
 

@@ -62,8 +62,7 @@ from pydantic import Field
 from mpifl.metrics import fairness
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order, register,
                                     state_scalar)
-from mpifl.aggregators.fedfv import projection_order
-from mpifl.aggregators.gram import gram
+from mpifl.aggregators.fedfv import projection_order, rescale_to_mean
 from mpifl.core.params import Params
 
 NOTIONS = ("dp", "eo", "ap")
@@ -180,6 +179,7 @@ class MFairFL(Aggregator):
 
     #: the run passes ``num_groups=G`` (the sensitive groups of the data) to the constructor
     needs_num_groups = True
+    supports_shards = True  # Gram form, goals and multipliers are per client: no d-sized state
     #: Lagrangian local training (:class:`mpifl.clients.LagrangianTrainer`)
     trainer_kind = "mfairfl"
 
@@ -280,7 +280,7 @@ class MFairFL(Aggregator):
             goals = np.zeros(m * m)
             goals[found] = self._values[pos[found]]
             goals = goals.reshape(m, m)
-            G = gram(U)  # the only O(m^2 d) work
+            G = r.gram(U)  # the only O(m^2 d) work (summed over shards)
             C, phi, visited = curation_coefficients(G, po, adjusted, goals)
             self._store(keys[visited], (1.0 - self.beta) * goals[visited]
                         + self.beta * phi[visited])
@@ -292,7 +292,7 @@ class MFairFL(Aggregator):
             return U.mean(dim=0)
         a = (1.0 + C.sum(axis=0)) / m                      # g = (1/m) 1^T (I + C) U
         g = torch.as_tensor(a, dtype=U.dtype, device=U.device) @ U
-        return _rescale(g, U)
+        return rescale_to_mean(g, U, r)
 
     def state_dict(self) -> dict[str, np.ndarray | int | float | str]:
         return {
@@ -402,10 +402,3 @@ def _split(keys: np.ndarray) -> np.ndarray:
     """(P,) combined keys -> (P, 2) client id pairs."""
     return np.stack([keys >> _SHIFT, keys & _LOW], axis=1).astype(np.int64).reshape(-1, 2)
 
-
-def _rescale(g: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """``g * ||mean u|| / ||g||``, or zeros when ``||g|| == 0``."""
-    gn = torch.linalg.vector_norm(g)
-    if float(gn) == 0.0:
-        return torch.zeros_like(g)
-    return g * (torch.linalg.vector_norm(U.mean(dim=0)) / gn)

@@ -47,6 +47,8 @@ class QFedAvg(Aggregator):
         #: fairness exponent; ``q = 0`` is FedAvg with uniform weights.
         q: float = Field(1.0, ge=0.0)
 
+    supports_shards = True  # row norms summed over shards, then a weighted sum of rows
+
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
         self.q = self.params.q
@@ -55,7 +57,7 @@ class QFedAvg(Aggregator):
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """(d,) step in the dtype and on the device of ``r.updates``."""
         U = r.updates
-        c = self.coefficients(r, torch.linalg.vector_norm(U, dim=1).double().cpu().numpy())
+        c = self.coefficients(r, r.norm(U, dim=1).double().cpu().numpy())
         return torch.as_tensor(c, dtype=U.dtype, device=U.device) @ U
 
     def coefficients(self, r: RoundUpdates, norms: np.ndarray) -> np.ndarray:

@@ -44,6 +44,7 @@ class UGA(Aggregator):
     #: which local computation the server must run for this rule (VmapTrainer's is "sgd")
     trainer_kind: ClassVar[str] = "uga"
     needs_losses = False  # reads no RoundUpdates.losses (UGATrainer measures them anyway)
+    supports_shards = True  # weighted sums of rows: each shard applies the weights to its block
 
     class Params(Params):
         #: server step size (> 0).

@@ -1,0 +1,63 @@
+"""The sharded server's aggregation (issue 14): coordinate blocks, clipped layer maps, and every
+shard-supporting rule's sharded step against the same rule on one rank, under real mpiexec."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpifl.aggregators import available, rule
+from mpifl.aggregators.shards import ALIGN, local_layers, shard_bounds
+from tests.helpers import mpiexec
+
+SCRIPT = Path(__file__).parent / "mpi" / "shard_steps.py"
+
+
+@pytest.mark.parametrize("d,p", [(1, 1), (591, 2), (591, 3), (10_000, 4), (20, 3), (199_210, 7)])
+def test_blocks_tile_the_vector(d, p):
+    b = shard_bounds(d, p)
+    assert len(b) == p + 1 and b[0] == 0 and b[-1] == d
+    assert (np.diff(b) >= 0).all() and all(x % ALIGN == 0 for x in b[1:-1])
+    if d >= 64 * p:  # large enough: blocks within one alignment unit of d / P
+        assert np.abs(np.diff(b) - d / p).max() <= ALIGN
+
+
+def test_bad_shard_counts_are_refused():
+    with pytest.raises(ValueError, match="shards >= 1"):
+        shard_bounds(10, 0)
+
+
+def test_clipped_layers_tile_each_block_and_add_up():
+    layers = [slice(0, 37), slice(37, 237), slice(237, 248), slice(248, 548)]
+    b = shard_bounds(548, 3)
+    per_layer = np.zeros(len(layers), dtype=int)
+    for j in range(3):
+        clipped = local_layers(layers, int(b[j]), int(b[j + 1]))
+        pos = 0
+        for l, s in enumerate(clipped):
+            assert s.start == pos and s.stop >= s.start
+            pos = s.stop
+            per_layer[l] += s.stop - s.start
+        assert pos == b[j + 1] - b[j]
+    assert list(per_layer) == [37, 200, 11, 300]
+
+
+def test_every_rule_says_whether_it_supports_shards():
+    supported = {n for n in available() if rule(n).supports_shards}
+    assert {"fedavg", "fedprox", "drfl", "uga", "qfedavg", "fedmgda_plus", "fedfv", "fedlf",
+            "mfairfl"} <= supported
+    for name in set(available()) - supported:
+        assert rule(name).shards_note, name
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_sharded_steps_equal_the_one_rank_steps(ranks):
+    out = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT)],
+                         capture_output=True, text=True, timeout=300)
+    lines = [l for l in out.stdout.splitlines() if l.startswith(("OK", "FAIL"))]
+    assert out.returncode == 0 and len(lines) == 10 and all(l.startswith("OK") for l in lines), \
+        out.stdout + out.stderr
