@@ -82,6 +82,23 @@ def test_load_aligns_runs_and_equals_the_files(runs):
         assert (one["selected"].values[r:] == -1).all()
 
 
+def test_sweep_folder_with_a_key_swept_for_some_runs_only(runs, tmp_path):
+    """A grid like jobs/uga-map.toml sweeps fedfv.alpha for FedFV only: every run gets the
+    coordinate, from its params where swept and from its config elsewhere."""
+    import json
+    index = {"runs": {}}
+    for name, path in runs.items():
+        shutil.copy(path, tmp_path / path.name)
+        params = {"server.algorithm": name.split("-")[0]}
+        if name.startswith("fedfv"):
+            params["fedfv.alpha"] = 0.25
+        index["runs"][name] = {"results": path.name, "params": params}
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    ds = mpifl.load(tmp_path)
+    default = read_results(runs["fedavg-s0"])["config"]["fedfv"]["alpha"]
+    assert list(ds["fedfv.alpha"].values) == [default, default, 0.25]
+
+
 def test_long_tables_one_row_per_observation(runs):
     t = tables(mpifl.load(list(runs.values())))
     assert len(t["rounds"]) == 4 + 4 + 6 and len(t["evals"]) == 2 + 2 + 3

@@ -58,7 +58,9 @@ def load(source: str | Path | Iterable[str | Path]):
     if not runs:
         raise OutputError(f"{source}: no results to load")
     results = [(rid, read_results(path), params) for rid, path, params in runs]
-    varying = _varying_keys([r["config"] for _, r, _ in results])
+    # a key swept for some runs only (uga.eta_g in a grid with FedAvg) is a coordinate of all
+    varying = sorted(set(_varying_keys([r["config"] for _, r, _ in results]))
+                     .union(*(params for _, _, params in results)))
     parts = [_run_dataset(rid, res, params, varying) for rid, res, params in results]
     ds = xr.concat(parts, dim="run", join="outer", fill_value=_fill_values(parts),
                    combine_attrs="drop_conflicts", coords="different", compat="equals")
@@ -132,7 +134,7 @@ def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying:
               "algorithm": ("run", [res["attrs"].get("algorithm", flat.get("server.algorithm"))]),
               "seed": ("run", [flat.get("run.seed", -1)]),
               "status": ("run", [res["attrs"].get("status", "?")])}
-    for key in sorted(set(varying) | set(params)):
+    for key in varying:
         coords[key] = ("run", [params.get(key, flat.get(key))])
     data = {}
     for name, values in rounds.items():
