@@ -1,7 +1,7 @@
 """Where UGA learns: UGA (Yao et al. 2019) against FedAvg over a sweep's Dirichlet alpha, local
 epochs E and client lr, globally and after one epoch of local adaptation (docs/notes/uga-map.md).
 
-    mpifl sweep jobs/uga-map.toml --out runs/uga-map --executor local
+    mpifl sweep jobs/sweep-uga-map.toml --out runs/uga-map --executor local
     python analysis/uga_map.py runs/uga-map          # writes docs/notes/uga-map.md and .png
 
 Reads the results files the folder's ``index.json`` names with :func:`mpifl.load` /

@@ -166,6 +166,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.out is not None:
         _check_bench_out(args.out)
     _load_plugins(args.plugins)
+    if args.shards is not None:
+        return _bench_sharded(args)
     algorithms = None if args.algorithms == "all" else args.algorithms.split(",")
     try:
         res = bench_aggregation(algorithms, args.m, args.d, tau=args.tau, repeats=args.repeats,
@@ -182,6 +184,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(format_report(res))
         if args.out is not None:
             print(f"wrote {args.out}")
+    return 0
+
+
+def _bench_sharded(args: argparse.Namespace) -> int:
+    """``mpiexec -n P mpifl bench aggregation --shards P``: every rank one shard; rank 0
+    prints and writes."""
+    from mpifl.bench.sharded import bench_sharded, format_sharded, write_sharded_hdf5
+    from mpifl.runtime.comm import world
+
+    comm = world()
+    size = 1 if comm is None else comm.Get_size()
+    if args.shards != size:
+        raise MpiflError(f"bench aggregation: --shards {args.shards} runs one shard per MPI "
+                         f"rank: start it with mpiexec -n {args.shards} (this is {size} "
+                         f"process{'es' if size > 1 else ''})")
+    if args.device != "cpu":
+        raise MpiflError("bench aggregation: --shards times the CPU path only (--device cpu)")
+    algorithms = ("fedavg,fedfv,fedlf,mfairfl" if args.algorithms == "all"
+                  else args.algorithms).split(",")
+    try:
+        res = bench_sharded(comm if size > 1 else None, algorithms, args.m, args.d,
+                            tau=args.tau, repeats=args.repeats, warmup=args.warmup,
+                            threads=args.threads, progress=not args.json)
+    except (ValueError, KeyError) as exc:  # bad arguments, found before any timing
+        raise MpiflError(f"bench aggregation: {str(exc).strip(chr(39))}") from None
+    if comm is not None and comm.Get_rank() != 0:
+        return 0
+    if args.out is not None:
+        write_sharded_hdf5(res, args.out)
+    print(json.dumps(res.to_json()) if args.json else format_sharded(res))
+    if args.out is not None and not args.json:
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -310,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     ba.add_argument("--out", help="also write the results to this HDF5 file (replaced)")
     ba.add_argument("--json", action="store_true", help="print one JSON object")
+    ba.add_argument("--shards", type=int, metavar="P",
+                    help="the sharded server's aggregation under mpiexec -n P, one shard per "
+                         "rank: time split, peak memory per rank, difference from P = 1 "
+                         "(default algorithms: fedavg,fedfv,fedlf,mfairfl)")
     ba.add_argument("--plugins", metavar="MODULE[,MODULE]",
                     help="import these plugin modules first, so their rules are benchmarked too")
     ba.set_defaults(func=cmd_bench)

@@ -83,7 +83,7 @@ def test_load_aligns_runs_and_equals_the_files(runs):
 
 
 def test_sweep_folder_with_a_key_swept_for_some_runs_only(runs, tmp_path):
-    """A grid like jobs/uga-map.toml sweeps fedfv.alpha for FedFV only: every run gets the
+    """A grid like jobs/sweep-uga-map.toml sweeps fedfv.alpha for FedFV only: every run gets the
     coordinate, from its params where swept and from its config elsewhere."""
     import json
     index = {"runs": {}}

@@ -279,3 +279,89 @@ def test_model_flops_of_the_mlp():
     assert f["forward"] == 2 * weights
     assert f["train"] == 6 * weights - 2 * 784 * 200      # no input gradient at the first layer
     assert f["params"] == weights + 200 + 200 + 10
+
+
+# ---- mpifl bench aggregation --shards (issue 14) -----------------------------------------------
+
+def test_shard_inputs_are_the_same_matrix_whatever_the_blocks():
+    from mpifl.aggregators.shards import shard_bounds
+    from mpifl.bench.sharded import CHUNK, block_rounds
+
+    m, d = 5, 2 * CHUNK + 1000  # blocks that cut through generated chunks
+    whole = block_rounds(m, d, 2, 0, d, seed=3)
+    for P in (2, 3, 7):
+        b = shard_bounds(d, P)
+        parts = [block_rounds(m, d, 2, int(b[j]), int(b[j + 1]), seed=3) for j in range(P)]
+        for t in range(2):
+            joined = torch.cat([p[t]["updates"] for p in parts], dim=1)
+            assert torch.equal(joined, whole[t]["updates"])
+            assert all(torch.equal(p[t]["losses"], whole[t]["losses"]) for p in parts)
+    assert not torch.equal(whole[0]["updates"], whole[1]["updates"])
+
+
+@pytest.fixture(scope="module")
+def sharded_files(tmp_path_factory):
+    """The sharded benchmark at P = 1 (one process) and P = 2 (mpiexec -n 2), tiny sizes."""
+    from tests.helpers import mpiexec
+
+    folder = tmp_path_factory.mktemp("sharded")
+    args = ["bench", "aggregation", "--algorithms", "fedavg,fedfv,fedlf", "--m", "12,24",
+            "--d", "3000", "--repeats", "2", "--tau", "2"]
+    out = {}
+    for P in (1, 2):
+        out[P] = folder / f"p{P}.h5"
+        cmd = [sys.executable, "-m", "mpifl", *args, "--shards", str(P), "--out", str(out[P])]
+        proc = subprocess.run([mpiexec(), "-n", str(P), *cmd], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert f"wrote {out[P]}" in proc.stdout and proc.stdout.count("wrote") == 1  # rank 0
+    return out
+
+
+def test_sharded_bench_rows_split_and_agree_with_one_rank(sharded_files):
+    from mpifl.bench.sharded import read_sharded_hdf5
+
+    groups, attrs = read_sharded_hdf5(sharded_files[2])
+    assert attrs["shards"] == 2 and set(groups) == {"fedavg", "fedfv", "fedlf"}
+    g = groups["fedfv"]
+    assert list(g["m"]) == [12, 24] and list(g["tau"]) == [2, 2]
+    assert g["peak_rss_mb"].shape == (2, 2) and (g["peak_rss_mb"] > 0).all()
+    assert (g["max_rel_diff"] < 1e-5).all()  # the gathered step against P = 1
+    assert (g["allsum_s"] > 0).all() and (groups["fedavg"]["allsum_s"] == 0).all()
+    parts = g["local_s"] + g["allsum_s"] + g["apply_s"]
+    assert (parts <= g["median_s"] * 1.5 + 1e-3).all()
+    one, attrs1 = read_sharded_hdf5(sharded_files[1])
+    assert attrs1["shards"] == 1 and (one["fedfv"]["allsum_s"] == 0).all()
+
+
+def test_agg_scaling_takes_p_as_an_axis(sharded_files, tmp_path):
+    png = tmp_path / "p.png"
+    proc = _run_scaling("--sharded", str(sharded_files[1]), str(sharded_files[2]),
+                        "--sharded-out", str(png), "--predict", "1000,100000,4")
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [l.split() for l in proc.stdout.splitlines() if l.startswith("fedfv ")]
+    assert [(r[1], r[4]) for r in rows] == [("12", "1"), ("12", "2"), ("24", "1"), ("24", "2")]
+    assert rows[0][10] == "1.00x"
+    assert any(l.startswith("  fedfv (4 rows): a = ") and "P = 4:" in l
+               for l in proc.stdout.splitlines())
+
+
+def test_agg_scaling_cost_model_recovers_its_coefficients(agg_scaling):
+    rows = [dict(algorithm="x", m=m, d=d, P=P, tau=1, gather=0.0, server_mb=0.0,
+                 time=2e-10 * m * m * d / P + 3e-9 * m * d / P + (P > 1) * 1e-7 * m * m)
+            for m in (50, 100, 400) for d in (10_000, 100_000) for P in (1, 2, 4)]
+    model = agg_scaling.fit_cost_model(rows)
+    assert model["a"] == pytest.approx(2e-10, rel=1e-6)
+    assert model["b"] == pytest.approx(3e-9, rel=1e-6)
+    assert model["c"] == pytest.approx(1e-7, rel=1e-6) and model["e"] == pytest.approx(0, abs=1e-15)
+
+
+def test_sharded_bench_errors_are_one_line(capsys):
+    assert main(["bench", "aggregation", "--shards", "2", "--m", "4", "--d", "100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--shards 2 runs one shard per MPI rank: start it with mpiexec -n 2" in err
+    assert "\n" not in err
+    assert main(["bench", "aggregation", "--shards", "1", "--algorithms", "ditto", "--m", "4",
+                 "--d", "100"]) == 2
+    assert "ditto does not run on a sharded server" in capsys.readouterr().err

@@ -61,3 +61,36 @@ def test_sharded_steps_equal_the_one_rank_steps(ranks):
     lines = [l for l in out.stdout.splitlines() if l.startswith(("OK", "FAIL"))]
     assert out.returncode == 0 and len(lines) == 10 and all(l.startswith("OK") for l in lines), \
         out.stdout + out.stderr
+
+
+def test_the_algorithms_doc_table_says_what_each_rule_does():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "ALGORITHMS.md").read_text()
+    table = text.split("## 12. Sharded server", 1)[1]
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            for name in cells[0].split(","):
+                rows[name.strip().split()[0].strip("`")] = cells[1:]
+    assert set(rows) == set(available())
+    for name, (shards, state, why) in rows.items():
+        r = rule(name)
+        assert (shards == "yes") == r.supports_shards, name
+        keys = [s.strip().strip("`").split("`")[0] for s in state.split(",")
+                if s.strip() not in ("", "-")]
+        assert keys == list(r.sharded_state), name
+        assert why == ("" if r.supports_shards else r.shards_note), name
+
+
+def test_row_norms_in_chunks_equal_the_whole_float64_norms():
+    import torch
+
+    from mpifl.aggregators.shards import row_sq_norms
+
+    X = torch.randn(37, 1000)
+    X[3, 5] = float("nan")
+    want = torch.linalg.vector_norm(X.double(), dim=1) ** 2
+    got = row_sq_norms(X, chunk_bytes=8 * 1000 * 4)  # 4 rows a chunk
+    assert torch.equal(got[:3], want[:3]) and torch.isnan(got[3]) and torch.equal(got[4:], want[4:])
+    clean = torch.linalg.vector_norm(torch.nan_to_num(X).double(), dim=1) ** 2
+    assert torch.equal(row_sq_norms(X, finite=True, chunk_bytes=1), clean)

@@ -395,3 +395,13 @@ def test_load_sweep_folder_one_dataset_with_swept_coordinates(local_sweep, tmp_p
     assert set(ds["fedfv.alpha"].values[ds["algorithm"].values == "fedfv"]) == {0.2}
     assert main(["plot", "curves", str(out), "--out", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_with_more_shards_than_ranks_is_refused_at_planning(tmp_path):
+    text = SWEEP.replace('[grid]\n', '[grid]\n"server.shards" = [1, 2, 3]\n')
+    sweep = load_sweep(write_sweep(tmp_path, text))
+    reasons = {p.params["server.shards"]: check(sweep, p)[1] for p in grid_points(sweep)
+               if p.params["server.algorithm"] == "fedavg" and p.params["run.seed"] == 0}
+    assert reasons[1] is None and reasons[2] is None
+    assert reasons[3] == ("server.shards = 3 needs at least 3 ranks per run; the sweep gives 2 "
+                          "(sweep.ranks)")

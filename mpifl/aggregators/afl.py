@@ -90,6 +90,8 @@ class AFL(Aggregator):
     needs_num_clients = True
 
     needs_all_clients = True
+    shards_note = ("its running sum of the global models (d,) for evaluation lives on rank 0; "
+                   "not adapted to shards yet")
 
     class Params(Params):
         #: step size of the mixture weights lambda; ``eta_lambda = 0`` keeps them uniform.

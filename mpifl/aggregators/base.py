@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from pydantic import ValidationError
 
+from mpifl.aggregators.shards import row_sq_norms
 from mpifl.core.params import Params, params_error
 from mpifl.core.registry import Registry
 
@@ -165,7 +166,8 @@ class RoundUpdates:
         coordinate axis 1 of an (n, d) matrix), in x's dtype and on its device."""
         if self.shards is None:
             return torch.linalg.vector_norm(x, dim=dim)
-        sq = torch.linalg.vector_norm(x.double(), dim=dim) ** 2
+        sq = (row_sq_norms(x) if dim in (1, -1) and x.dim() == 2
+              else torch.linalg.vector_norm(x.double(), dim=dim) ** 2)
         return torch.as_tensor(np.sqrt(self.shards.allsum(sq)), dtype=x.dtype, device=x.device)
 
     def _check_layers(self) -> None:

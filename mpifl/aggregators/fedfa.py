@@ -108,6 +108,7 @@ class FedFa(Aggregator):
 
     needs_num_clients = True
     needs_losses = False  # its train_accuracy statistic still needs the pre-training pass
+    shards_note = "its server momentum v (d,) is not split into blocks yet"
 
     class Params(Params):
         #: weight of participation frequency against training accuracy (alpha = 1 - beta).

@@ -167,6 +167,9 @@ class FedMDFG(Aggregator):
             the wrong shape.
     """
 
+    shards_note = ("its line search asks the clients for their losses at trial models in the "
+                   "middle of the aggregation, which the shards' protocol does not carry")
+
     class Params(Params):
         #: angle in degrees between the loss vector and 1 above which the fair guidance joins.
         theta: float = Field(11.25, gt=0.0, lt=90.0)

@@ -21,6 +21,8 @@ must take identical decisions (FedFV's projections, a QP's active set) from them
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -58,6 +60,24 @@ def local_layers(layers: list[slice] | None, lo: int, hi: int) -> list[slice] | 
     return [slice(min(max(s.start, lo), hi) - lo, min(max(s.stop, lo), hi) - lo) for s in layers]
 
 
+def row_sq_norms(X: torch.Tensor, finite: bool = False,
+                 chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """(n,) float64 squared norms of the rows of an (n, w) matrix, accumulated in float64 a
+    few rows at a time (a whole float64 copy of a shard's block would double its memory).
+
+    Args:
+        finite: count non-finite entries as 0 (``torch.nan_to_num``), chunk by chunk.
+    """
+    n, w = X.shape
+    out = torch.empty(n, dtype=torch.float64, device=X.device)
+    step = max(1, chunk_bytes // max(8 * w, 1))
+    for i in range(0, n, step):
+        rows = X[i:i + step]
+        rows = torch.nan_to_num(rows) if finite else rows
+        out[i:i + step] = torch.linalg.vector_norm(rows.double(), dim=1) ** 2
+    return out
+
+
 class ShardGroup:
     """The P shard ranks of a sharded server, as seen by one of them.
 
@@ -65,19 +85,30 @@ class ShardGroup:
         comm: an mpi4py intracommunicator of the P shard ranks (shard j = its rank j), or None
             for a single shard (P = 1: every method is the identity; the rank-0 server).
         d: number of parameters of the full vector.
+        wait: completes a nonblocking MPI request (the runtime's peer-timeout wait), or None
+            to use the blocking collectives.
 
     Attributes:
         size: P. index: this shard's j. bounds: :func:`shard_bounds`. lo, hi: this block.
     """
 
-    def __init__(self, comm, d: int) -> None:
-        self.comm = comm
+    def __init__(self, comm, d: int, wait=None) -> None:
+        self.comm, self.wait = comm, wait
         self.size = 1 if comm is None else comm.Get_size()
         self.index = 0 if comm is None else comm.Get_rank()
         self.d = d
         self.bounds = shard_bounds(d, self.size)
         self.lo, self.hi = int(self.bounds[self.index]), int(self.bounds[self.index + 1])
-        self.allsum_seconds = 0.0  # time spent in allsum (the benchmark's Allreduce column)
+        self.reset_timing()
+
+    def reset_timing(self) -> None:
+        """Start the benchmark's clock (``mpifl bench aggregation --shards``): from now on
+        :attr:`allsum_seconds` adds up the time in :meth:`allsum`, :attr:`local_seconds` the
+        local work before each allsum (partial statistics, coefficients), and
+        :attr:`last_allsum_end` is when the last allsum returned (the rest is the apply)."""
+        self.allsum_seconds = 0.0
+        self.local_seconds = 0.0
+        self.last_allsum_end = time.perf_counter()
 
     @property
     def counts(self) -> np.ndarray:
@@ -95,24 +126,33 @@ class ShardGroup:
         Returns:
             a float64 numpy array of ``x``'s shape (a 0-d array for a scalar).
         """
+        t0 = time.perf_counter()
+        self.local_seconds += t0 - self.last_allsum_end
         buf = np.array(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x,
                        dtype=np.float64, copy=True)
         if self.comm is None or self.size == 1:
+            self.last_allsum_end = time.perf_counter()
             return buf
-        import time
-
         from mpi4py import MPI
 
-        t0 = time.perf_counter()
         flat = buf.reshape(-1)
         total = np.empty_like(flat) if self.index == 0 else None
-        self.comm.Reduce([flat, MPI.DOUBLE], [total, MPI.DOUBLE] if total is not None else None,
-                         op=MPI.SUM, root=0)
+        self._run("Reduce", [flat, MPI.DOUBLE], [total, MPI.DOUBLE] if total is not None else None,
+                  op=MPI.SUM)
         if self.index == 0:
             flat[:] = total
-        self.comm.Bcast([flat, MPI.DOUBLE], root=0)
-        self.allsum_seconds += time.perf_counter() - t0
+        self._run("Bcast", [flat, MPI.DOUBLE])
+        self.last_allsum_end = time.perf_counter()
+        self.allsum_seconds += self.last_allsum_end - t0
         return buf
+
+    def _run(self, name: str, *args, **kwargs) -> None:
+        """The collective ``name`` rooted at shard 0: blocking, or its nonblocking form
+        completed by :attr:`wait` (so a lost shard cannot hold the others forever)."""
+        if self.wait is None:
+            getattr(self.comm, name)(*args, root=0, **kwargs)
+        else:
+            self.wait(getattr(self.comm, "I" + name.lower())(*args, root=0, **kwargs))
 
     def gather(self, block: np.ndarray) -> np.ndarray | None:
         """Shard 0: the full (d,) float32 vector from every shard's (hi - lo,) block (a step or
@@ -125,6 +165,14 @@ class ShardGroup:
         out = np.empty(self.d, dtype=np.float32) if self.index == 0 else None
         counts = self.counts
         displs = self.bounds[:-1]
-        self.comm.Gatherv([block, MPI.FLOAT],
-                          [out, counts, displs, MPI.FLOAT] if out is not None else None, root=0)
+        self._run("Gatherv", [block, MPI.FLOAT],
+                  [out, counts, displs, MPI.FLOAT] if out is not None else None)
         return out
+
+    def bcast(self, x: np.ndarray) -> np.ndarray:
+        """Shard 0's array ``x`` (any numeric dtype; same shape and dtype on every shard),
+        in place on the others; returned."""
+        if self.comm is None or self.size == 1:
+            return x
+        self._run("Bcast", x)
+        return x

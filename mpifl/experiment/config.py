@@ -130,6 +130,9 @@ class ServerConfig(_Section):
     # FedMeta's meta step (ALGORITHMS.md §6, table [fedmeta]) after every aggregation, on top of
     # any rule
     meta: bool = False
+    # coordinate shards of the server (issue 14; docs/ARCHITECTURE.md "Sharded server"): ranks
+    # 0 .. shards-1 each aggregate one block of the parameters; 1 = rank 0 alone (the oracle)
+    shards: int = Field(1, ge=1, le=4096)
 
 
 class FaultsConfig(_Section):
@@ -284,7 +287,7 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.loggers",
                   "run.peer_timeout_s", "data.data_root",
                   "plugins.path",
-                  "server.device", "client.memory_budget_mb"}
+                  "server.device", "server.shards", "client.memory_budget_mb"}
 
 
 def config_diff(old: Config, new: Config, ignore: set[str] = RESUME_MUTABLE) -> list[str]:
@@ -422,6 +425,13 @@ def _check_consistency(cfg: Config) -> None:
                           f"task with a sensitive attribute ({', '.join(TABULAR)} or a plugin data "
                           f"set with one), got '{d.dataset}'")
     meta = s.meta or rule.meta_step
+    if s.shards > 1:
+        if not rule.supports_shards:
+            raise ConfigError(f"server.shards: {s.algorithm} cannot run on a sharded server "
+                              f"({rule.shards_note}); set server.shards = 1")
+        if s.meta:
+            raise ConfigError("server.shards: FedMeta's meta step (server.meta) trains the whole "
+                              "model at one place; set server.shards = 1 or server.meta = false")
     if meta and cfg.fedmeta.meta_sampling == "group_balanced" and builtin_without_groups:
         raise ConfigError(f"fedmeta.meta_sampling: 'group_balanced' needs a dataset with a "
                           f"sensitive attribute ({', '.join(TABULAR)}), got '{d.dataset}'")

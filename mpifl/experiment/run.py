@@ -28,9 +28,11 @@ from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, ma
                                        meta_step_for, trainer_columns, uses_meta_step)
 from mpifl.experiment.config import Config, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
-from mpifl.runtime.comm import MPITransport, bcast_text, world
+from mpifl.aggregators.shards import ShardGroup, shard_bounds
+from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
+from mpifl.runtime.sharding import ShardServer
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
 from mpifl.runtime.worker import serve
 from mpifl.store import checkpoint
@@ -198,8 +200,11 @@ def _complete(out: Path) -> bool:
 
 
 def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
-                 rounds: int | None) -> Start:
-    """Take the run lock (before anything is opened for writing), then plan the start."""
+                 rounds: int | None, size: int = 1) -> Start:
+    """Take the run lock (before anything is opened for writing), then plan the start; a
+    config that cannot run on ``size`` ranks is refused before an old run is replaced."""
+    if cfg is not None:
+        _check_shards(cfg.server.shards, size)
     if cfg is None and not out.parent.is_dir():  # `mpifl resume` needs an existing run
         raise OutputError(f"{out}: no such run to resume (no folder {out.parent})")
     if not out.parent.is_dir():  # a new run, or `run --resume` of a run not started yet
@@ -210,7 +215,9 @@ def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
         except OSError as exc:
             raise OutputError(f"--out {out}: cannot write there ({exc.strerror})") from None
     lock.acquire()
-    return plan_start(cfg, out, mode, rounds)
+    start = plan_start(cfg, out, mode, rounds)
+    _check_shards(start.cfg.server.shards, size)  # resuming: the stored (or changed) config
+    return start
 
 
 def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: int | None = None,
@@ -242,7 +249,8 @@ def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: 
 
 
 def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
-    start = agree(comm, lambda: _plan_locked(lock, cfg, out, mode, rounds) if rank == 0 else None)
+    start = agree(comm, lambda: _plan_locked(lock, cfg, out, mode, rounds, size) if rank == 0
+                  else None)
     if size > 1:  # workers take the config rank 0 settled on
         text = bcast_text(comm, start.cfg.to_json() if rank == 0 else None)
         cfg = agree(comm, lambda: start.cfg if rank == 0 else config_from_json(text))
@@ -274,19 +282,85 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
         except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
             log.debug("run failed", exc_info=True)
             raise MpiflError(one_line(exc)) from None
+    shard = _shard_setup(comm, rank, cfg, parts, start)
     transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts),
-                             peer_timeout=cfg.run.peer_timeout_s)
+                             peer_timeout=cfg.run.peer_timeout_s,
+                             shard_bounds=(shard_bounds(parts.layout.d, cfg.server.shards)
+                                           if cfg.server.shards > 1 else None))
     try:
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)
-            return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
-        return serve(transport, trainer, parts.fed, device, adapter)
+            return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress,
+                                 shard)
+        if shard is not None:
+            log.info("rank %d: shard %d of %d, parameters [%d, %d)", rank, shard.group.index,
+                     shard.group.size, shard.group.lo, shard.group.hi)
+        return serve(transport, trainer, parts.fed, device, adapter, shard,
+                     checkpoint.folder_for(out))
     except BaseException as exc:
-        _end_all_ranks(transport, rank, exc)
+        _end_all_ranks(transport, rank, exc, shard)
         raise
 
 
-def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException) -> None:
+def _shard_setup(comm, rank: int, cfg: Config, parts, start: Start):
+    """A sharded server (``server.shards = P > 1``): ranks 0 .. P-1 build the shard
+    communicator, their copy of the rule and their :class:`ShardServer`, restoring their block
+    of the rule's state when resuming (from a checkpoint of any P). None elsewhere, and on
+    every rank when P = 1. Collective on every rank.
+
+    Raises:
+        MpiflError: fewer ranks than shards, or a missing or damaged shard file (every rank).
+    """
+    P = cfg.server.shards
+    if P == 1:
+        return None
+    path = bcast_text(comm, str(start.ckpt.path) if rank == 0 and start.ckpt else "")
+    from mpi4py import MPI
+
+    sub = comm.Split(0 if rank < P else MPI.UNDEFINED, rank)
+
+    def build():
+        if rank >= P:
+            return None
+        timeout = cfg.run.peer_timeout_s
+        wait = None if not timeout else (lambda req: wait_idle(
+            req, max_sleep=0.0, timeout=timeout, waiting_for="another shard rank"))
+        group = ShardGroup(sub, parts.layout.d, wait)
+        shard = ShardServer(group, make_aggregator(cfg, parts),
+                            [layer.slice for layer in parts.layout.layers], parts.fed.num_train,
+                            cfg.server.max_update_norm, trainer_columns(cfg, parts))
+        if path:  # rank 0 has read the checkpoint already; the others read its small main file
+            shard.load(start.ckpt if rank == 0 else checkpoint.read(Path(path),
+                                                                      verify_shards=False))
+        return shard
+
+    return agree(comm, build)
+
+
+def _check_shards(shards: int, size: int) -> None:
+    """Raises ConfigError: fewer ranks than ``server.shards``."""
+    if size < shards:
+        raise ConfigError(f"server.shards = {shards} needs at least {shards} MPI ranks (ranks "
+                          f"0 .. {shards - 1} are the shards), this job has {size}: start it "
+                          f"with mpiexec -n {max(shards, 2)} (or srun --ntasks) or lower "
+                          "server.shards")
+
+
+def make_aggregator(cfg: Config, parts):
+    """The run's rule (:func:`mpifl.aggregators.create`) with the parameters the data decide
+    (number of clients, of sensitive groups)."""
+    params = cfg.algorithm_params()
+    rule = aggregators.rule(cfg.server.algorithm)
+    if rule.needs_num_clients:
+        params["num_clients"] = parts.fed.num_clients
+    if rule.needs_num_groups:
+        groups = group_setup(parts.fed, torch.device("cpu"))
+        params["num_groups"] = groups[1] if groups else 0
+    return aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
+
+
+def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
+                   shard=None) -> None:
     """A rank failed during the rounds: end every rank in bounded time.
 
     Rank 0 failing between requests (a results or checkpoint write, aggregation) sends STOP
@@ -297,7 +371,8 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException) -> No
     line = one_line(exc)
     if not isinstance(exc, (MpiflError, KeyboardInterrupt)):
         log.debug("rank %d failed", rank, exc_info=True)
-    if rank == 0 and not transport.busy and isinstance(exc, Exception):
+    in_shards = shard is not None and shard.busy  # the other shards wait in a collective
+    if rank == 0 and not transport.busy and not in_shards and isinstance(exc, Exception):
         transport.stop(EXIT_FAILED)
         if not isinstance(exc, MpiflError):
             raise MpiflError(line) from None
@@ -314,18 +389,14 @@ def _all(comm, flag: bool | None) -> bool:
     return bool(comm.bcast(flag, root=0))
 
 
-def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, progress) -> int:
-    params = cfg.algorithm_params()
-    rule = aggregators.rule(cfg.server.algorithm)
-    if rule.needs_num_clients:
-        params["num_clients"] = parts.fed.num_clients
-    if rule.needs_num_groups:
-        groups = group_setup(parts.fed, torch.device("cpu"))
-        params["num_groups"] = groups[1] if groups else 0
-    aggregator = aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
+def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, progress,
+                  shard=None) -> int:
+    aggregator = make_aggregator(cfg, parts) if shard is None else shard.aggregator
     w, first = parts.w0, 0
     if start.ckpt is not None:
-        aggregator.load_state_dict(start.ckpt.aggregator)
+        if shard is None:  # a sharded checkpoint's blocks are joined (resuming with P = 1)
+            aggregator.load_state_dict(checkpoint.aggregator_state(
+                start.ckpt, aggregator.sharded_state, parts.layout.d))
         w, first = torch.from_numpy(start.ckpt.w), start.ckpt.round
     writer = ResultsWriter(out, cfg.to_json(), world_size=size, num_clients=parts.fed.num_clients,
                            num_layers=len(parts.layout.layers), algorithm=cfg.server.algorithm,
@@ -341,7 +412,7 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
         meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None
         server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,
                         checkpoints=checkpoint.folder_for(out), stop=stop, world_size=size,
-                        meta=meta, loggers=loggers)
+                        meta=meta, loggers=loggers, shard=shard)
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]

@@ -269,8 +269,9 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
              f"the paper's error bar or {REPRODUCED_PP:g} pp, **close** within {CLOSE_PP:g} pp, "
              "else **not reproduced** (the reason below the table); rows that the paper "
              "reports on other data are judged by their order only (the claim column).", ""]
-    counts = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
-    claim_counts = {v: list(orders.values()).count(v) for v in dict.fromkeys(orders.values())}
+    counts = {v: verdicts.count(v) for v in sorted(set(verdicts), key=_verdict_rank)}
+    claims = list(orders.values())
+    claim_counts = {v: claims.count(v) for v in sorted(set(claims), key=_verdict_rank)}
     lines += ["Summary: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + "; order claims: "
               + (", ".join(f"{n} {v}" for v, n in claim_counts.items()) or "none") + ".", ""]
     for section in dict.fromkeys(r.section for r in rows):
@@ -332,3 +333,10 @@ def suite_header(path: Path) -> str:
             break
         out.append(line[2:] if line.startswith("# ") else line[1:])
     return "\n".join(out)
+
+
+def _verdict_rank(verdict: str) -> tuple[int, str]:
+    """Summary order: reproduced, close, not reproduced (then anything else by name), so the
+    generated document does not change with the order the results were read in."""
+    order = ("reproduced", "close", "not reproduced")
+    return (order.index(verdict) if verdict in order else len(order), verdict)

@@ -171,6 +171,11 @@ class RemoteClients:
                            max(0.0, waited - slowest), rep.bytes_moved, float(rep.peak_rss[0]),
                            float(rep.peak_rss[1:].max()))
 
+    def checkpoint_shards(self, rounds_done: int, write) -> np.ndarray:
+        """Sharded server: every shard rank writes its checkpoint file (``write()`` here on
+        rank 0); (world size,) float64 status, 0 = written or nothing to write."""
+        return self.transport.request_checkpoint(rounds_done, write)
+
     def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(m,) float32 mean training losses of the clients at ``w`` (a LOSSES request)."""
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)

@@ -22,7 +22,16 @@ Every request from rank 0 starts with a ``Bcast`` of a small float64 header
   each worker also trains its clients locally from the parameters (minibatch order keyed by
   the header's round, the header's lr) and the adapted accuracies and losses (K,) float64 are
   gathered last; round and lr are 0 in an EVAL header without it.
+* ``CHECKPOINT`` (sharded server only): the shard ranks write their blocks of the rule's state
+  into the checkpoint of the round carried in the header (:mod:`mpifl.runtime.sharding`);
+  ``Gather`` of every rank's status (0 = written).
 * ``STOP``: workers leave their loop and exit with the status carried in the header.
+
+**Sharded server** (``server.shards = P > 1``, ranks 0 .. P-1 are the shards): a TRAIN's
+updates travel as P ``Gatherv`` calls, the j-th to shard rank j with every worker's column block j
+(``(m_r, hi_j - lo_j)``, packed contiguous), so no rank receives the whole (m, d) matrix;
+losses, statistics rows and rank statistics still reach rank 0 as above. The shards then run
+the aggregation among themselves (:class:`mpifl.runtime.sharding.ShardServer`).
 
 A rank that waits for another's long phase (workers while rank 0 aggregates, rank 0 while the
 workers train or evaluate) does not busy-poll: the header travels by ``Ibcast`` and results are
@@ -46,7 +55,7 @@ import numpy as np
 from mpifl.core.errors import PeerLost
 from mpifl.core.wire import Columns
 
-STOP, TRAIN, EVAL, LOSSES = 0, 1, 2, 3
+STOP, TRAIN, EVAL, LOSSES, CHECKPOINT = 0, 1, 2, 3, 4
 HEADER_LEN = 5
 #: Bits of an EVAL header's flag: per-client parameters follow (Ditto); evaluate after local
 #: adaptation too (run.adapt_epochs).
@@ -198,9 +207,12 @@ class MPITransport:
         columns: the trainer's per-round extras (the same on every rank, from the config).
         peer_timeout: seconds a rank waits for the others at the protocol's two waits (the
             workers' results, rank 0's next request) before :class:`PeerLost`; 0 = forever.
+        shard_bounds: (P + 1,) coordinate block bounds of a sharded server (P > 1; shard j is
+            rank j), or None: rank 0 gathers the whole updates.
     """
 
-    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0):
+    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
+                 shard_bounds: np.ndarray | None = None):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -216,6 +228,7 @@ class MPITransport:
         self._updates = np.empty((0, d), dtype=np.float32)  # grown on demand, reused
         self.busy = False  # rank 0: inside a request (see _request)
         self.peer_timeout = float(peer_timeout)
+        self.shard_bounds = shard_bounds
 
     # -- helpers ---------------------------------------------------------------------------
     def _bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
@@ -306,9 +319,12 @@ class MPITransport:
             self._scatterv(state, blocks * cols.state, cols.state, 0)
             sent += m * cols.state * 4
         t_bcast = time.perf_counter() - t0
-        updates = self._updates_buffer(m)
         self._results_ready()
-        self._gatherv(np.empty(0, np.float32), blocks * self.d, updates, self.MPI.FLOAT)
+        if self.shard_bounds is None:
+            updates = self._updates_buffer(m)
+            self._gatherv(np.empty(0, np.float32), blocks * self.d, updates, self.MPI.FLOAT)
+        else:  # this rank's column block only (shard 0)
+            updates = self._gather_shards(np.empty((0, self.d), np.float32), blocks)
         losses = np.empty(m, dtype=np.float32)
         self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
         stats = None
@@ -316,7 +332,7 @@ class MPITransport:
             stats = np.empty((m, cols.stats_width), dtype=np.float32)
             self._gatherv(np.empty(0, np.float32), blocks * cols.stats_width, stats, self.MPI.FLOAT)
         ranks = self._gather_rank_stats(0.0)
-        received = updates.nbytes + losses.nbytes + (stats.nbytes if stats is not None else 0)
+        received = m * self.d * 4 + losses.nbytes + (stats.nbytes if stats is not None else 0)
         return TrainReply(updates, losses, stats, ranks[:, 0], ranks[:, 1], sent + received,
                           t_bcast)
 
@@ -411,15 +427,65 @@ class MPITransport:
         return req
 
     def send_updates(self, updates: np.ndarray, losses: np.ndarray, stats: np.ndarray | None,
-                     seconds: float) -> None:
+                     seconds: float, blocks: np.ndarray | None = None) -> np.ndarray | None:
         """Worker: contribute this rank's block of updates (m_r, d), losses (m_r,) and
-        statistics rows (m_r, S)."""
+        statistics rows (m_r, S).
+
+        Args:
+            blocks: on a sharded server, (size,) selected clients per rank (rank 0: 0).
+
+        Returns:
+            On a shard rank of a sharded server, its column block of every selected client's
+            update (m, hi - lo) float32; else None.
+        """
         self._results_ready()
-        self._gatherv(np.ascontiguousarray(updates, dtype=np.float32), None, None, self.MPI.FLOAT)
+        mine = None
+        if self.shard_bounds is None:
+            self._gatherv(np.ascontiguousarray(updates, dtype=np.float32), None, None,
+                          self.MPI.FLOAT)
+        else:
+            mine = self._gather_shards(updates, blocks)
         self._gatherv(np.ascontiguousarray(losses, dtype=np.float32), None, None, self.MPI.FLOAT)
         if self.columns.stats_width:
             self._gatherv(np.ascontiguousarray(stats, dtype=np.float32), None, None, self.MPI.FLOAT)
         self._gather_rank_stats(seconds)
+        return mine
+
+    def _gather_shards(self, updates: np.ndarray, blocks: np.ndarray) -> np.ndarray | None:
+        """Sharded server: one Gatherv per shard j (root: rank j) of every rank's column block
+        j of its (m_r, d) updates; returns this rank's gathered (m, hi - lo) block when it is a
+        shard, else None."""
+        mine, m = None, int(blocks.sum())
+        displs = np.concatenate([[0], np.cumsum(blocks[:-1])]).astype(np.int64)
+        for j, (lo, hi) in enumerate(zip(self.shard_bounds[:-1], self.shard_bounds[1:])):
+            width = int(hi - lo)
+            part = np.ascontiguousarray(updates[:, lo:hi], dtype=np.float32)
+            if self.rank == j:
+                mine = np.empty((m, width), dtype=np.float32)
+                recv = [mine, blocks * width, displs * width, self.MPI.FLOAT]
+            else:
+                recv = None
+            self._collective("Gatherv", [part, self.MPI.FLOAT], recv, root=j)
+        return mine
+
+    @_request
+    def request_checkpoint(self, rounds_done: int, write) -> np.ndarray:
+        """Rank 0 (sharded server): every shard rank writes its blocks of the rule's state for
+        the checkpoint after ``rounds_done`` rounds, rank 0 by calling ``write() -> status``
+        meanwhile; (size,) float64 status per rank, 0 = ok."""
+        self._bcast_header(CHECKPOINT, rounds_done)
+        return self._gather_status(write())
+
+    def send_status(self, status: float) -> None:
+        """Worker: answer a CHECKPOINT request (0 = written or nothing to write)."""
+        self._gather_status(status)
+
+    def _gather_status(self, status: float) -> np.ndarray | None:
+        send = np.array([status], dtype=np.float64)
+        recv = np.empty(self.size, dtype=np.float64) if self.rank == 0 else None
+        self._collective("Gather", [send, self.MPI.DOUBLE],
+                         [recv, self.MPI.DOUBLE] if recv is not None else None)
+        return recv
 
     def send_losses(self, losses: np.ndarray) -> None:
         """Worker: contribute this rank's block of losses (m_r,) for a LOSSES request."""

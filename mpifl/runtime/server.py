@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from mpifl.aggregators import RoundUpdates
 from mpifl.clients.faults import accepted, dropped_out
+from mpifl.core.errors import OutputError
 from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import client_summary, count_conflicts, count_layer_conflicts
@@ -69,16 +70,19 @@ class Server:
             current round and returns early.
         meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
         loggers: a :class:`mpifl.runtime.loggers.LoggerSet` told every round, or None.
+        shard: on a sharded server (``server.shards > 1``), rank 0's
+            :class:`mpifl.runtime.sharding.ShardServer` (shard 0): it aggregates with the other
+            shards, and checkpoints ask every shard for its file first.
     """
 
     def __init__(self, cfg, fed, layout, clients, aggregator, writer, device: torch.device,
                  checkpoints: Path | None = None, stop=None, world_size: int = 1, meta=None,
-                 loggers=None):
+                 loggers=None, shard=None):
         self.cfg, self.fed, self.layout = cfg, fed, layout
         self.clients, self.aggregator, self.writer = clients, aggregator, writer
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
-        self.meta, self.loggers = meta, loggers
+        self.meta, self.loggers, self.shard = meta, loggers, shard
 
     def run(self, w: torch.Tensor, start: int = 0, progress: bool = True) -> tuple[torch.Tensor, bool]:
         """Run rounds ``start .. run.rounds-1``.
@@ -123,8 +127,18 @@ class Server:
         """Write a checkpoint of the state after ``rounds_done`` rounds (if enabled)."""
         if self.checkpoints is None:
             return False
-        ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), self.aggregator.state_dict(),
-                          self.writer.history, self.cfg.to_json(), self.world_size, self.checkpoints)
+        state, bounds = self.aggregator.state_dict(), None
+        if self.shard is not None:  # every shard writes its file, then this one lists them
+            status = self.clients.checkpoint_shards(
+                rounds_done, lambda: self.shard.write_checkpoint(self.checkpoints, rounds_done))
+            if failed := [j for j in range(self.shard.group.size) if status[j] != 0]:
+                raise OutputError(f"cannot write checkpoint after round {rounds_done}: shard(s) "
+                                  f"{', '.join(map(str, failed))} could not write their files "
+                                  "(their ranks logged why); the previous checkpoints are kept")
+            state = {k: v for k, v in state.items() if k not in self.aggregator.sharded_state}
+            bounds = self.shard.group.bounds
+        ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
+                          self.cfg.to_json(), self.world_size, self.checkpoints, bounds)
         save(self.checkpoints, ckpt)
         return True
 
@@ -149,6 +163,8 @@ class Server:
                    time_broadcast=res.time_broadcast, time_train=res.time_train,
                    time_gather=res.time_gather, peak_rss_server_mb=res.peak_rss_server / 2**20,
                    peak_rss_worker_mb=res.peak_rss_worker / 2**20)
+        if self.shard is not None:
+            return self._aggregate_sharded(rnd, lr, ids, res, w, row)
         t0 = time.perf_counter()
         keep = accepted(res.updates, cfg.server.max_update_norm)
         row["rejected"] = int((~keep).sum())
@@ -179,6 +195,22 @@ class Server:
         row.update(num_clients=len(r.client_ids), conflicts_model=count_conflicts(updates, step),
                    conflicts_layer=count_layer_conflicts(updates, step, self.layers),
                    time_aggregate=time.perf_counter() - t0)
+        return w, row
+
+    def _aggregate_sharded(self, rnd: int, lr: float, ids: np.ndarray, res, w: torch.Tensor,
+                           row: dict) -> tuple[torch.Tensor, dict]:
+        """The round's aggregation on the shards (:class:`mpifl.runtime.sharding.ShardServer`):
+        ``res.updates`` is this rank's column block of the updates."""
+        t0 = time.perf_counter()
+        out = self.shard.aggregate(rnd, lr, ids, res.updates, res.losses, res.stats)
+        row["rejected"] = int((~out.keep).sum())
+        if out.step is None:
+            log.warning("round %d: every update was rejected; the model does not move", rnd)
+            return w, row
+        row["aggregated"] = np.isin(row["selected"], ids[out.keep])
+        w = w - out.step.to(w)
+        row.update(num_clients=int(out.keep.sum()), conflicts_model=out.conflicts_model,
+                   conflicts_layer=out.conflicts_layer, time_aggregate=time.perf_counter() - t0)
         return w, row
 
     def _adapt(self, rnd: int) -> tuple[int, float] | None:

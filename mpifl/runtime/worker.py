@@ -1,4 +1,5 @@
-"""The loop of every worker rank (rank >= 1): serve TRAIN, LOSSES and EVAL requests until STOP.
+"""The loop of every worker rank (rank >= 1): serve TRAIN, LOSSES, EVAL and CHECKPOINT requests
+until STOP.
 
 A worker trains its contiguous block of each round's selected clients as one vectorised
 computation, and evaluates a static share of all K clients (blocks by test-set size).
@@ -7,15 +8,18 @@ computation, and evaluates a static share of all K clients (blocks by test-set s
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from mpifl.runtime.backends import evaluate, evaluate_adapted, group_setup, stats_rows
-from mpifl.runtime.comm import EVAL, LOSSES, STOP, TRAIN, MPITransport, split_by_samples
+from mpifl.runtime.comm import (CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport,
+                                split_by_samples)
 
 
-def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=None) -> int:
+def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=None,
+          shard=None, checkpoints: Path | None = None) -> int:
     """Answer rank 0's requests until it sends STOP; returns the exit status STOP carries.
 
     Args:
@@ -24,6 +28,9 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
         fed: the federated data (every rank builds the same one from the same seed).
         device: where this rank trains.
         adapter: the trainer of evaluation after local adaptation (``run.adapt_epochs``), or None.
+        shard: on a sharded server, this rank's :class:`mpifl.runtime.sharding.ShardServer`
+            when it is one of the shards (ranks 1 .. P-1), else None.
+        checkpoints: the run's checkpoint folder (a shard writes its files there).
     """
     block = transport.rank - 1
     workers = transport.workers
@@ -43,13 +50,24 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
         req = transport.receive(rows_mine)
         if req.command == STOP:
             return req.round
+        if req.command == CHECKPOINT:
+            ok = 0.0 if shard is None else shard.write_checkpoint(checkpoints, req.round)
+            transport.send_status(ok)
+            continue
         w = torch.from_numpy(req.w).to(device)
         if req.command == TRAIN:
             ids = mine(req.client_ids)
             t0 = time.perf_counter()
             state = None if req.state is None else torch.from_numpy(req.state).to(device)
             out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
-            transport.send_updates(*out, time.perf_counter() - t0)
+            blocks = None
+            if transport.shard_bounds is not None:  # every rank's row count, rank 0's is 0
+                bounds = split_by_samples(fed.num_train[req.client_ids], workers)
+                blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+            cols = transport.send_updates(*out, time.perf_counter() - t0, blocks)
+            if shard is not None:  # this shard's part of the aggregation
+                shard.aggregate(req.round, req.lr, req.client_ids,
+                                torch.from_numpy(cols).to(device))
         elif req.command == LOSSES:
             ids = mine(req.client_ids)
             loss = (trainer.evaluate(w, [fed.train_indices(k) for k in ids])[1] if len(ids)

@@ -18,7 +18,21 @@ Layout of a checkpoint::
     /history/...        the metric history so far (see :class:`mpifl.store.MetricHistory`)
 
 Workers hold no state between rounds (every random draw is keyed by seed, round and client),
-so rank 0's checkpoint is the whole state of the job.
+so rank 0's checkpoint is the whole state of the job, except on a sharded server
+(``server.shards = P > 1``): there shard j first writes the column block ``[lo_j, hi_j)`` of the
+rule's d-sized state (its ``sharded_state`` keys) to ``round-NNNNNN.shard-J.h5``
+(:func:`save_shard`, sealed and digested the same way), and rank 0's file then lists them::
+
+    /                   attrs: ... shards (P)
+    /shards/bounds      (P + 1,) int64 column block bounds
+    /shards/digests     (P,) the shard files' ``digest`` attributes (so a shard file from
+                        another checkpoint or a damaged one is refused on load)
+    /aggregator/<key>   the state keys that are not sharded (scalars, per-client vectors)
+
+A shard file: attrs kind="mpifl-checkpoint-shard", round, shard, shards, lo, hi, d, digest;
+``/aggregator/<key>`` (N, hi - lo) float32 blocks. :func:`state_block` reads any column range
+back, from the shard files of any P or from an unsharded checkpoint's full arrays, so a run can
+resume with another number of shards.
 """
 
 from __future__ import annotations
@@ -41,8 +55,10 @@ from mpifl.store.sealed import open_verified, write_atomic
 log = logging.getLogger("mpifl.store.checkpoint")
 
 KIND = "mpifl-checkpoint"
+SHARD_KIND = "mpifl-checkpoint-shard"
 KEEP = 2
 _NAME = re.compile(r"^round-(\d{6,})\.h5$")
+_SHARD_NAME = re.compile(r"^round-(\d{6,})\.shard-(\d+)\.h5$")
 
 
 @dataclass
@@ -54,6 +70,14 @@ class Checkpoint:
     config_json: str
     world_size: int
     path: Path
+    #: sharded server: (P + 1,) int64 column block bounds and the P shard files' digests
+    shard_bounds: np.ndarray | None = None
+    shard_digests: list[str] | None = None
+
+    @property
+    def shards(self) -> int:
+        """P, the number of shard files (1: the state is all in this file)."""
+        return 1 if self.shard_bounds is None else len(self.shard_bounds) - 1
 
 
 def folder_for(results: Path) -> Path:
@@ -74,10 +98,151 @@ def save(folder: Path, ckpt: Checkpoint) -> Path:
     except OSError as exc:
         raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
     clean_stale_temporaries(folder)  # left by a writer killed mid-write
+    if ckpt.shard_bounds is not None:
+        ckpt.shard_digests = _shard_digests(folder, ckpt.round, len(ckpt.shard_bounds) - 1)
     write_atomic(final, lambda f: _write(f, ckpt), "checkpoint")
-    for old in _listed(folder)[KEEP:]:
+    listed = _listed(folder)
+    for old in listed[KEEP:]:
         old.unlink(missing_ok=True)
+    kept = {int(_NAME.match(p.name).group(1)) for p in listed[:KEEP]}
+    for path in folder.iterdir():  # shard files of dropped checkpoints, or of refused ones
+        if (m := _SHARD_NAME.match(path.name)) and int(m.group(1)) not in kept:
+            path.unlink(missing_ok=True)
     return final
+
+
+def shard_path(folder: Path, rounds_done: int, index: int) -> Path:
+    """Shard ``index``'s file of the checkpoint after ``rounds_done`` rounds."""
+    return folder / f"round-{rounds_done:06d}.shard-{index}.h5"
+
+
+def save_shard(folder: Path, rounds_done: int, index: int, size: int, lo: int, hi: int, d: int,
+               state: dict[str, np.ndarray]) -> Path:
+    """Write shard ``index`` of ``size``'s blocks of the rule's sharded state atomically.
+
+    Call it on every shard before rank 0's :func:`save` of the same round, which lists them.
+
+    Args:
+        lo, hi: the shard's column block of the d parameters.
+        state: key -> (N, hi - lo) float32 array (N = 0 rows may come as (0, 0)).
+
+    Raises:
+        OutputError: the folder or file cannot be written.
+    """
+    final = shard_path(folder, rounds_done, index)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
+
+    def write(f: h5py.File) -> None:
+        f.attrs.update(kind=SHARD_KIND, schema_version=SCHEMA_VERSION, round=rounds_done,
+                       shard=index, shards=size, lo=lo, hi=hi, d=d)
+        group = f.create_group("aggregator")
+        for key, value in state.items():
+            group.create_dataset(key, data=np.asarray(value))
+        f.attrs["digest"] = _digest(f)
+
+    write_atomic(final, write, "checkpoint")
+    return final
+
+
+def _shard_digests(folder: Path, rounds_done: int, size: int) -> list[str]:
+    """The ``digest`` attributes of the P shard files of a checkpoint being saved.
+
+    Raises:
+        OutputError: a shard file is missing or unreadable (the checkpoint is not written).
+    """
+    return [_open_shard(shard_path(folder, rounds_done, j), rounds_done, j, None, full=False)[1]
+            for j in range(size)]
+
+
+def _open_shard(path: Path, rounds_done: int, index: int, digest: str | None,
+                read: bool = False, full: bool = True) -> tuple[dict[str, Any], str]:
+    """Check a shard file: kind, round, index, and its ``digest`` attribute against
+    ``digest`` when given; with ``full`` also its seal and its digest against its content
+    (which reads the whole file). Returns its attrs (with ``read``, its datasets under "data")
+    and its digest attribute.
+
+    Raises:
+        OutputError: missing, damaged, or not that checkpoint's shard ``index``.
+    """
+    if not path.is_file():
+        raise OutputError(f"{path}: shard file of the checkpoint is missing")
+    try:
+        fileobj = open_verified(path, "checkpoint")[0] if full else open(path, "rb")
+        with fileobj, h5py.File(fileobj, "r") as f:
+            attrs = {k: f.attrs[k] for k in f.attrs}
+            if (attrs.get("kind") != SHARD_KIND or int(attrs.get("round", -1)) != rounds_done
+                    or int(attrs.get("shard", -1)) != index):
+                raise OutputError(f"{path}: not shard {index} of the checkpoint after round "
+                                  f"{rounds_done}")
+            own = str(attrs.get("digest"))
+            if (full and own != _digest(f)) or (digest is not None and own != digest):
+                raise OutputError(f"{path}: checksum mismatch (the shard file is damaged or "
+                                  "from another checkpoint)")
+            if read:
+                attrs["data"] = {k: f["aggregator"][k][()] for k in f["aggregator"]}
+            return attrs, own
+    except OutputError:
+        raise
+    except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
+        first = (str(exc).splitlines() or [""])[0]
+        raise OutputError(f"{path}: unreadable checkpoint shard ({type(exc).__name__}: "
+                          f"{first})") from None
+
+
+def state_block(ckpt: Checkpoint, keys: tuple[str, ...] | list[str], lo: int,
+                hi: int) -> dict[str, np.ndarray]:
+    """Columns ``[lo, hi)`` of the sharded state keys of a checkpoint, whatever its P.
+
+    Args:
+        keys: the rule's ``sharded_state`` keys (each an (N, d) array when whole).
+
+    Returns:
+        key -> (N, hi - lo) array, assembled from the shard files that overlap the range (an
+        unsharded checkpoint's full arrays are sliced).
+
+    Raises:
+        OutputError: a shard file is missing, damaged or does not match the checkpoint.
+    """
+    if ckpt.shard_bounds is None:
+        return {k: _columns(np.asarray(ckpt.aggregator[k]), 0, lo, hi) for k in keys}
+    bounds, parts = ckpt.shard_bounds, {k: [] for k in keys}
+    for j in range(ckpt.shards):
+        a, b = max(lo, int(bounds[j])), min(hi, int(bounds[j + 1]))
+        if a >= b and not (lo == hi and j == 0):
+            continue
+        try:
+            attrs, _ = _open_shard(shard_path(ckpt.path.parent, ckpt.round, j), ckpt.round, j,
+                                   ckpt.shard_digests[j], read=True)
+        except OutputError as exc:
+            raise OutputError(f"{exc}; remove {ckpt.path} to resume from the checkpoint "
+                              "before it") from None
+        for k in keys:
+            parts[k].append(_columns(attrs["data"][k], int(bounds[j]), a, max(a, b)))
+    return {k: np.concatenate(v, axis=1) if len(v) > 1 else v[0] for k, v in parts.items()}
+
+
+def _columns(rows: np.ndarray, offset: int, a: int, b: int) -> np.ndarray:
+    """Columns [a, b) of ``rows`` whose first column is parameter ``offset``; no rows stay
+    (0, b - a) whatever their stored width."""
+    if rows.shape[0] == 0:
+        return np.zeros((0, b - a), dtype=rows.dtype)
+    return rows[:, a - offset:b - offset]
+
+
+def aggregator_state(ckpt: Checkpoint, keys: tuple[str, ...] | list[str],
+                     d: int) -> dict[str, Any]:
+    """The rule's whole ``state_dict`` from a checkpoint (shard files joined when it has
+    them), for an unsharded server.
+
+    Raises:
+        OutputError: a shard file is missing, damaged or does not match the checkpoint.
+    """
+    if ckpt.shard_bounds is None:
+        return ckpt.aggregator
+    return {**ckpt.aggregator, **state_block(ckpt, keys, 0, d)}
 
 
 def load_latest(folder: Path) -> Checkpoint | None:
@@ -103,12 +268,27 @@ def load_latest(folder: Path) -> Checkpoint | None:
     return None
 
 
-def read(path: Path) -> Checkpoint:
+def read(path: Path, verify_shards: bool = True) -> Checkpoint:
     """Read and verify one checkpoint.
 
+    Args:
+        verify_shards: also check that every shard file it lists is there and is the one it
+            lists (attributes only: reading P files of d-sized state on one rank would undo
+            the sharding); :func:`state_block` verifies the content of the ones it reads.
+
     Raises:
-        OutputError: unreadable, truncated, digest mismatch, foreign file, unknown schema.
+        OutputError: unreadable, truncated, digest mismatch, foreign file, unknown schema, a
+            missing or damaged shard file.
     """
+    ckpt = _read(path)
+    if verify_shards and ckpt.shard_bounds is not None:
+        for j, digest in enumerate(ckpt.shard_digests):
+            _open_shard(shard_path(path.parent, ckpt.round, j), ckpt.round, j, digest,
+                        full=False)
+    return ckpt
+
+
+def _read(path: Path) -> Checkpoint:
     fileobj, _sealed = open_verified(path, "checkpoint")
     try:
         with fileobj, h5py.File(fileobj, "r") as f:
@@ -125,12 +305,20 @@ def read(path: Path) -> Checkpoint:
                 aggregator=_read_state(f["aggregator"]),
                 history=MetricHistory.from_group(f["history"], version),
                 config_json=str(f.attrs["config"]), world_size=int(f.attrs["world_size"]),
-                path=path)
+                path=path, **_shards_of(f))
     except OutputError:
         raise
     except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
         first = (str(exc).splitlines() or [""])[0]
         raise OutputError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {first})") from None
+
+
+def _shards_of(f: h5py.File) -> dict[str, Any]:
+    if "shards" not in f:
+        return {}
+    return {"shard_bounds": f["shards/bounds"][()].astype(np.int64),
+            "shard_digests": [d.decode() if isinstance(d, bytes) else str(d)
+                              for d in f["shards/digests"][()]]}
 
 
 def _write(f: h5py.File, ckpt: Checkpoint) -> None:
@@ -142,6 +330,10 @@ def _write(f: h5py.File, ckpt: Checkpoint) -> None:
     f.create_dataset("model/global", data=np.asarray(ckpt.w, dtype=np.float32))
     _write_state(f.create_group("aggregator"), ckpt.aggregator)
     ckpt.history.to_group(f.create_group("history"))
+    if ckpt.shard_bounds is not None:
+        f.attrs["shards"] = ckpt.shards
+        f.create_dataset("shards/bounds", data=np.asarray(ckpt.shard_bounds, dtype=np.int64))
+        f.create_dataset("shards/digests", data=np.array(ckpt.shard_digests, dtype="S64"))
     f.attrs["digest"] = _digest(f)
 
 

@@ -132,7 +132,12 @@ def check(sweep: Sweep, point: Point) -> tuple[dict | None, str | None]:
 
     algo = point.params.get("server.algorithm") or _base_algorithm(sweep)
     try:  # loading imports the job's [plugins] first, so plugin rules are known below
-        return json.loads(load_config(sweep.base, list(point.overrides)).to_json()), None
+        cfg = load_config(sweep.base, list(point.overrides))
+        if cfg.server.shards > sweep.ranks:  # each shard is a rank of the run
+            raise ConfigError(f"server.shards = {cfg.server.shards} needs at least "
+                              f"{cfg.server.shards} ranks per run; the sweep gives "
+                              f"{sweep.ranks} (sweep.ranks)")
+        return json.loads(cfg.to_json()), None
     except ConfigError as exc:
         if algo not in available():
             return None, (f"algorithm '{algo}' is not implemented in this mpifl "

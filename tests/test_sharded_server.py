@@ -1,0 +1,244 @@
+"""The sharded server at run time (issue 14, ``server.shards``): whole runs with P shard ranks
+against the one-rank server on real Fashion-MNIST under real mpiexec, checkpoints written as
+one file per shard, resume with the same or another P, and the errors of bad setups.
+
+The oracle is the unsharded server (``server.shards = 1``, rank 0 aggregating the whole
+matrix): its arithmetic differs only in the order of float additions, so models agree to
+float32 rounding and every count (selected, aggregated, conflicts) is equal. The job takes one
+full-batch step a round: with many local minibatch steps a 1e-8 difference in the model grows
+through the clients' training (qFedAvg with B = 25, lr 0.05: 1.5e-8 after round 1, 2e-4 after
+round 12; with this job 5e-8 after 12 rounds), and a loose tolerance would hide real errors.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mpifl.core.errors import OutputError
+from mpifl.store import checkpoint
+from mpifl.store.checkpoint import Checkpoint
+from mpifl.store.results import MetricHistory
+from tests.helpers import write_fmnist_job
+from tests.test_resume import contents, run
+
+JOB = """
+[run]
+name = "sharded"
+seed = 3
+rounds = 12
+eval_every = 4
+checkpoint_every = 3
+[data]
+dataset = "fashion_mnist"
+partition = "shards"
+num_clients = 12
+[model]
+name = "mlp"
+hidden = [24]
+[client]
+batch_size = 0
+lr = 0.1
+[server]
+algorithm = "fedfv"
+clients_per_round = 6
+[fedfv]
+alpha = 0.3
+tau = 2
+"""
+
+#: outcomes that must be equal, not only close (counts and choices)
+EXACT = ("rounds/selected", "rounds/aggregated", "rounds/num_clients", "rounds/rejected",
+         "rounds/conflicts_model", "rounds/conflicts_layer")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    return write_fmnist_job(tmp_path_factory, "sharded.toml", JOB)
+
+
+def assert_same_run(got: dict, want: dict, tol: float = 1e-6, same_ranks: bool = True) -> None:
+    """Equal runs (to ``tol`` for floats); bytes moved only with the same number of ranks
+    (each worker gets the broadcast)."""
+    assert got.keys() == want.keys()
+    for key in want:
+        if key == "rounds/bytes_moved" and not same_ranks:
+            continue
+        if key in EXACT or want[key].dtype.kind not in "fc":
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(got[key], want[key], rtol=tol, atol=tol, err_msg=key)
+
+
+def one_rank_server(job: Path, algorithm: str, ranks: int = 3) -> dict:
+    out = job.parent / f"oracle-{algorithm}-{ranks}.h5"
+    if not out.exists():
+        run(ranks, "run", str(job), "--out", str(out), "--set", f"server.algorithm={algorithm}")
+    return contents(out)
+
+
+@pytest.mark.parametrize("algorithm,ranks,shards", [
+    ("fedfv", 3, 3),        # every rank a shard; FedFV's history ring is sharded state
+    ("fedlf", 4, 2),        # rank 3 trains only; FedLF's layer-wise QP from allsummed Grams
+    ("qfedavg", 3, 2),
+])
+def test_sharded_run_equals_the_one_rank_server(job, algorithm, ranks, shards):
+    out = job.parent / f"{algorithm}-p{shards}.h5"
+    run(ranks, "run", str(job), "--out", str(out), "--set", f"server.algorithm={algorithm}",
+        "--set", f"server.shards={shards}")
+    assert_same_run(contents(out), one_rank_server(job, algorithm, ranks))
+    names = sorted(p.name for p in checkpoint.folder_for(out).iterdir())
+    assert names == [f"round-0000{r}.{s}h5" for r in ("09", "12")
+                     for s in ["", *(f"shard-{j}." for j in range(shards))]]
+
+
+def test_resume_with_the_same_p_is_exact_and_with_another_p_close(job):
+    full = job.parent / "full-p3.h5"
+    run(3, "run", str(job), "--out", str(full), "--set", "server.shards=3")
+    for ranks, shards in ((3, 3), (4, 2), (2, 1), (1, 1)):
+        part = job.parent / f"part-{ranks}-{shards}.h5"
+        run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
+            "--set", "run.rounds=8")  # a multiple of eval_every: the same evaluations
+        run(ranks, "run", str(job), "--out", str(part), "--resume",
+            "--set", f"server.shards={shards}")
+        got = contents(part)
+        if shards == 3:  # same P: the same additions in the same order
+            want = contents(full)
+            for key in want:
+                np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:  # the history ring re-cut into other blocks, or joined for one rank
+            assert_same_run(got, one_rank_server(job, "fedfv"), same_ranks=False)
+
+
+def test_a_one_rank_checkpoint_resumes_sharded(job):
+    part = job.parent / "from-unsharded.h5"
+    run(3, "run", str(job), "--out", str(part), "--set", "run.rounds=8")
+    run(4, "run", str(job), "--out", str(part), "--resume", "--set", "server.shards=4")
+    assert_same_run(contents(part), one_rank_server(job, "fedfv"), same_ranks=False)
+
+
+def test_a_missing_shard_file_falls_back_to_the_previous_checkpoint(job):
+    part = job.parent / "missing-shard.h5"
+    run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
+        "--set", "run.rounds=9")
+    folder = checkpoint.folder_for(part)
+    checkpoint.shard_path(folder, 9, 2).unlink()
+    proc = run(3, "run", str(job), "--out", str(part), "--resume", "--set", "server.shards=3")
+    assert "shard file of the checkpoint is missing" in proc.stderr
+    assert "resuming after round 6" in proc.stderr
+    full = job.parent / "full-p3.h5"
+    if not full.exists():
+        run(3, "run", str(job), "--out", str(full), "--set", "server.shards=3")
+    want = contents(full)
+    got = contents(part)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
+def test_a_damaged_shard_file_ends_every_rank_with_one_line(job):
+    part = job.parent / "damaged-shard.h5"
+    run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
+        "--set", "run.rounds=6")
+    shard = checkpoint.shard_path(checkpoint.folder_for(part), 6, 1)
+    with h5py.File(shard, "r") as f:
+        offset = f["aggregator/history_updates"].id.get_offset()
+    raw = bytearray(shard.read_bytes())
+    raw[offset + 5] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    before = part.read_bytes()
+    proc = run(3, "run", str(job), "--out", str(part), "--resume", "--set", "server.shards=3",
+               code=2)
+    assert "Traceback" not in proc.stderr and str(shard) in proc.stderr
+    assert "round-000006.h5" in proc.stderr  # how to go on: the checkpoint to remove
+    assert part.read_bytes() == before
+
+
+@pytest.mark.parametrize("sets,ranks,message", [
+    (["server.algorithm=ditto"], 3, "ditto cannot run on a sharded server"),
+    (["server.meta=true"], 3, "FedMeta's meta step"),
+    ([], 2, "server.shards = 3 needs at least 3 MPI ranks"),
+    ([], 1, "server.shards = 3 needs at least 3 MPI ranks"),
+])
+def test_setups_that_cannot_shard_are_refused_before_anything_is_replaced(
+        job, sets, ranks, message):
+    out = job.parent / "kept.h5"
+    if not out.exists():
+        run(1, "run", str(job), "--out", str(out), "--set", "run.rounds=3")
+    before = out.read_bytes(), sorted(checkpoint.folder_for(out).iterdir())
+    args = [x for s in ["server.shards=3", *sets] for x in ("--set", s)]
+    proc = run(ranks, "run", str(job), "--out", str(out), "--overwrite", *args, code=2)
+    lines = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert lines and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert (out.read_bytes(), sorted(checkpoint.folder_for(out).iterdir())) == before
+
+
+# ---- the checkpoint files, without MPI ---------------------------------------------------------
+
+def _checkpoint(rounds_done: int, bounds: np.ndarray | None, state: dict) -> Checkpoint:
+    h = MetricHistory(num_clients=2, num_layers=1)
+    return Checkpoint(rounds_done, np.zeros(int(bounds[-1]) if bounds is not None else 3,
+                                            np.float32),
+                      state, h, '{"run": {}}', 3, None, bounds)
+
+
+def _save_sharded(folder: Path, rounds_done: int, full: np.ndarray, bounds: np.ndarray) -> None:
+    d = full.shape[1]
+    for j in range(len(bounds) - 1):
+        lo, hi = int(bounds[j]), int(bounds[j + 1])
+        block = full[:, lo:hi] if len(full) else np.zeros((0, 0), np.float32)
+        checkpoint.save_shard(folder, rounds_done, j, len(bounds) - 1, lo, hi, d,
+                              {"rows": block})
+    checkpoint.save(folder, _checkpoint(rounds_done, bounds, {"ids": np.arange(len(full))}))
+
+
+@pytest.mark.parametrize("bounds", [[0, 16, 32, 37], [0, 37], [0, 16, 16, 37]])
+def test_state_blocks_recut_to_any_range(tmp_path, bounds):
+    full = np.random.default_rng(0).standard_normal((5, 37)).astype(np.float32)
+    _save_sharded(tmp_path, 3, full, np.array(bounds))
+    ckpt = checkpoint.load_latest(tmp_path)
+    assert ckpt.shards == len(bounds) - 1 and "rows" not in ckpt.aggregator
+    for lo, hi in ((0, 37), (0, 16), (5, 30), (16, 16), (32, 37), (20, 21)):
+        np.testing.assert_array_equal(checkpoint.state_block(ckpt, ["rows"], lo, hi)["rows"],
+                                      full[:, lo:hi])
+    joined = checkpoint.aggregator_state(ckpt, ["rows"], 37)
+    np.testing.assert_array_equal(joined["rows"], full)
+    np.testing.assert_array_equal(joined["ids"], np.arange(5))
+
+
+def test_no_rows_yet_have_the_block_width(tmp_path):
+    _save_sharded(tmp_path, 0, np.zeros((0, 40), np.float32), np.array([0, 16, 40]))
+    ckpt = checkpoint.load_latest(tmp_path)
+    assert checkpoint.state_block(ckpt, ["rows"], 16, 40)["rows"].shape == (0, 24)
+
+
+def test_a_shard_file_of_another_checkpoint_is_refused(tmp_path):
+    full = np.ones((2, 32), np.float32)
+    _save_sharded(tmp_path, 3, full, np.array([0, 16, 32]))
+    _save_sharded(tmp_path, 6, 2 * full, np.array([0, 16, 32]))
+    folder = tmp_path
+    shutil.copy(checkpoint.shard_path(folder, 3, 1), checkpoint.shard_path(folder, 6, 1))
+    with pytest.raises(OutputError, match="not shard 1 of the checkpoint after round 6"):
+        checkpoint.read(folder / "round-000006.h5")
+    assert checkpoint.load_latest(folder).round == 3
+
+
+def test_pruning_removes_the_shard_files_of_dropped_checkpoints(tmp_path):
+    full = np.ones((2, 32), np.float32)
+    for r in (3, 6, 9):
+        _save_sharded(tmp_path, r, full, np.array([0, 16, 32]))
+    checkpoint.save_shard(tmp_path, 12, 0, 2, 0, 16, 32, {"rows": full[:, :16]})  # a refused one
+    checkpoint.save(tmp_path, _checkpoint(13, None, {}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "round-000009.h5", "round-000009.shard-0.h5", "round-000009.shard-1.h5",
+        "round-000013.h5"]
+
+
+def test_a_missing_shard_file_refuses_the_checkpoint_save(tmp_path):
+    checkpoint.save_shard(tmp_path, 3, 0, 2, 0, 16, 32, {"rows": np.ones((1, 16), np.float32)})
+    with pytest.raises(OutputError, match="shard file of the checkpoint is missing"):
+        checkpoint.save(tmp_path, _checkpoint(3, np.array([0, 16, 32]), {}))
+    assert not (tmp_path / "round-000003.h5").exists()
