@@ -195,6 +195,9 @@ def sharded_rows(files: list[str]) -> list[dict]:
     for path in files:
         groups, attrs = read_sharded_hdf5(path)
         P = int(attrs["shards"])
+        # a process's later cases start on heap memory its earlier ones freed and kept: only a
+        # file of one case measures memory (mpifl.bench.sharded)
+        single = sum(len(g["m"]) for g in groups.values()) == 1
         for alg, g in groups.items():
             for i in range(len(g["m"])):
                 key = (alg, P, int(g["m"][i]), int(g["d"][i]), int(g["tau"][i]))
@@ -207,7 +210,7 @@ def sharded_rows(files: list[str]) -> list[dict]:
                                  allsum=float(g["allsum_s"][i]), apply=float(g["apply_s"][i]),
                                  gather=float(g["gather_s"][i]),
                                  server_mb=float(np.max(server)),
-                                 diff=float(g["max_rel_diff"][i])))
+                                 diff=float(g["max_rel_diff"][i]), single=single))
     return sorted(rows, key=lambda r: (r["algorithm"], r["m"], r["d"], r["tau"], r["P"]))
 
 
@@ -219,14 +222,15 @@ def _features(m, d, P) -> np.ndarray:
 
 def fit_cost_model(rows: list[dict]) -> dict:
     """Coefficients a, b, c, e (seconds per unit, module docstring) by non-negative least
-    squares on the relative error of every row's time, and f (MiB) the mean fixed memory."""
+    squares on the relative error of every row's time, and f (MiB), the median fixed memory
+    of the rows measured alone (a file of one case; NaN when there is none)."""
     from scipy.optimize import nnls
 
     X = _features([r["m"] for r in rows], [r["d"] for r in rows], [r["P"] for r in rows])
     t = np.array([r["time"] + r["gather"] for r in rows])
     coef, _ = nnls(X / t[:, None], np.ones(len(t)))  # relative: small cases count as much
-    fixed = [r["server_mb"] - _state_mb(r) for r in rows]
-    return dict(zip("abce", coef.tolist()), f=float(np.mean(fixed)))
+    fixed = [r["server_mb"] - _state_mb(r) for r in rows if r.get("single", True)]
+    return dict(zip("abce", coef.tolist()), f=float(np.median(fixed)) if fixed else math.nan)
 
 
 def _state_mb(r: dict) -> float:
@@ -240,6 +244,13 @@ def predict(model: dict, m: int, d: int, P: int, tau: int) -> tuple[float, float
     return t, _state_mb(dict(m=m, d=d, P=P, tau=tau)) + model["f"]
 
 
+def _prediction(model: dict, m: int, d: int, P: int, tau: int) -> str:
+    secs, mb = predict(model, m, d, P, tau)
+    if math.isnan(mb):  # no one-case file: the state alone, a lower bound
+        return f"P = {P}: {secs:.3g} s, >= {_state_mb(dict(m=m, d=d, P=P, tau=tau)) / 1024:.3g} GiB/rank"
+    return f"P = {P}: {secs:.3g} s, {mb / 1024:.3g} GiB/rank"
+
+
 def format_sharded_table(rows: list[dict]) -> str:
     head = (f"{'algorithm':<10}{'m':>6}{'d':>9}{'tau':>4}{'P':>4}{'time s':>9}{'local':>8}"
             f"{'allsum':>8}{'apply':>8}{'gather':>8}{'speed-up':>9}{'MiB/rank':>9}"
@@ -249,11 +260,13 @@ def format_sharded_table(rows: list[dict]) -> str:
         ref = next((q for q in rows if q["P"] == 1 and all(
             q[k] == r[k] for k in ("algorithm", "m", "d", "tau"))), None)
         up = f"{ref['time'] / r['time']:.2f}x" if ref else "-"
-        mem = f"{r['server_mb'] / ref['server_mb']:.2f}" if ref and ref["server_mb"] > 0 else "-"
+        mem = (f"{r['server_mb'] / ref['server_mb']:.2f}"
+               if ref and r["single"] and ref["single"] and ref["server_mb"] > 0 else "-")
         tau = "-" if r["tau"] < 0 else str(r["tau"])
+        mib = f"{r['server_mb']:.0f}" if r["single"] else "-"
         lines.append(f"{r['algorithm']:<10}{r['m']:>6}{r['d']:>9}{tau:>4}{r['P']:>4}"
                      f" {r['time']:>8.3g} {r['local']:>7.3g} {r['allsum']:>7.3g}"
-                     f" {r['apply']:>7.3g} {r['gather']:>7.3g}{up:>9}{r['server_mb']:>9.0f}"
+                     f" {r['apply']:>7.3g} {r['gather']:>7.3g}{up:>9}{mib:>9}"
                      f"{mem:>7}{1 / r['P']:>6.2f}{r['diff']:>9.1e}")
     return "\n".join(lines)
 
@@ -278,11 +291,13 @@ def plot_sharded(rows: list[dict], out: Path) -> None:
             bottom += h
         for xi, P in zip(x, Ps):
             axes[0].text(xi, 0, f"{alg}\nP={P}", ha="center", va="bottom", fontsize=6)
-        mem = [r["server_mb"] for r in sel]
-        axes[1].plot(Ps, mem, "o-", label=f"{alg} m={big['m']} d={big['d']:,}")
-        if 1 in Ps:
-            ref = mem[Ps.index(1)]
-            axes[1].plot(Ps, [ref / P for P in Ps], "k:", lw=1)
+        alone = [r for r in sel if r["single"]]  # memory is measured by one-case files only
+        mem, mPs = [r["server_mb"] for r in alone], [r["P"] for r in alone]
+        if alone:
+            axes[1].plot(mPs, mem, "o-", label=f"{alg} m={big['m']} d={big['d']:,}")
+        if 1 in mPs:
+            ref = mem[mPs.index(1)]
+            axes[1].plot(mPs, [ref / P for P in mPs], "k:", lw=1)
     axes[0].set_ylabel("seconds per aggregation (rank 0)")
     axes[0].set_title("time split against P", fontsize=10)
     axes[0].set_xticks([])
@@ -310,9 +325,7 @@ def _sharded_report(files: list[str], out: Path | None, predict_at: str) -> str:
         model = fit_cost_model(sel)
         tau = max(r["tau"] for r in sel)
         coef = ", ".join(f"{k} = {model[k]:.3g}" for k in "abce")
-        pred = "; ".join(
-            "P = {}: {:.3g} s, {:.3g} GiB/rank".format(P, *(lambda t, mb: (t, mb / 1024))(
-                *predict(model, m, d, P, tau))) for P in Ps)
+        pred = "; ".join(_prediction(model, m, d, P, tau) for P in Ps)
         lines.append(f"  {alg} ({len(sel)} rows): {coef}, f = {model['f']:.0f} MiB; "
                      f"at m = {m:,}, d = {d:,}, tau = {max(tau, 0)}: {pred}")
     if out is not None:

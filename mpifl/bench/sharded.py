@@ -11,9 +11,11 @@ the rule's ``aggregate()`` on its block with the shards summing their partial st
   Bcast), ``apply_s``: after the last allsum (the step's block as a combination of rows);
   ``median_s`` is the whole ``aggregate()``; ``gather_s``: the step's blocks gathered to rank 0
   (what the runtime does next);
-* ``peak_rss_mb``: the rank's peak resident memory (``ru_maxrss``) and ``base_rss_mb`` its
-  resident memory before the inputs were built (torch, MPI), so ``peak - base`` is the
-  server's part;
+* ``peak_rss_mb``: the rank's peak resident memory during the case (VmHWM, reset at the
+  case's start) and ``base_rss_mb`` its resident memory then (torch, MPI, and heap memory that
+  earlier cases freed but the process keeps, :mod:`mpifl.runtime.allocator`), so
+  ``peak - base`` is the server's part; with repeats > 1 it includes the copies of the rule's
+  state that the earlier calls ran on, so measure memory with ``--repeats 1 --warmup 0``;
 * ``max_rel_diff``: the gathered step against the same rule on one rank (P = 1, the oracle) on
   a check case of at most :data:`CHECK_M` clients and :data:`CHECK_D` parameters built from the
   same inputs, max |s_P - s_1| / max |s_1|.
@@ -55,7 +57,8 @@ from mpifl.aggregators import RoundUpdates, rule
 from mpifl.aggregators.shards import ShardGroup
 from mpifl.bench.aggregation import EXTRAS, Extras, _takes, machine_info, torch_threads
 
-CHUNK = 1 << 14        # parameters per generated column chunk (small: a transient copy)
+CHUNK = 1 << 14        # parameters per generated column chunk
+_ROWS = 256            # rows generated at once (a 16 MiB transient)
 CHECK_M, CHECK_D = 64, 50_000
 _RANK = 8
 COLUMNS = ("algorithm", "shards", "m", "d", "tau", "median_s", "local_s", "allsum_s", "apply_s",
@@ -92,37 +95,59 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far (MiB; ru_maxrss is KiB on Linux)."""
+    """This process's peak resident memory since :func:`reset_peak` (MiB): VmHWM from
+    /proc/self/status on Linux, else ``ru_maxrss`` (the whole process's life)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak() -> None:
+    """Start a new peak (Linux >= 4.0: writing 5 to /proc/self/clear_refs resets VmHWM to
+    the current resident memory), so each case's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def block_rounds(m: int, d: int, rounds: int, lo: int, hi: int, seed: int,
                  ) -> list[dict[str, torch.Tensor]]:
-    """Columns [lo, hi) of ``rounds`` rounds of synthetic updates, the same whatever the block.
+    """Columns [lo, hi) of ``rounds`` rounds of synthetic updates (:func:`block_round`)."""
+    return [block_round(m, d, t, lo, hi, seed) for t in range(rounds)]
+
+
+def block_round(m: int, d: int, t: int, lo: int, hi: int, seed: int) -> dict[str, torch.Tensor]:
+    """Columns [lo, hi) of round ``t``'s synthetic updates, the same whatever the block.
 
     Returns:
-        per round: ``updates`` (m, hi - lo) float32, ``losses`` (m,) float32 in [1, 2),
-        ``num_samples`` (m,) int64 in [50, 500) (the last two identical on every shard).
+        ``updates`` (m, hi - lo) float32, ``losses`` (m,) float32 in [1, 2), ``num_samples``
+        (m,) int64 in [50, 500) (the last two identical on every shard).
     """
-    out = []
-    for t in range(rounds):
-        g = torch.Generator().manual_seed(_key(seed, m, d, t, -1))
-        z = torch.randn(m, _RANK, generator=g)
-        z[:, 0] = 1.0 + 0.3 * z[:, 0]                          # the direction clients share
-        U = torch.empty(m, hi - lo)
-        for c in range(lo // CHUNK, math.ceil(hi / CHUNK)):
-            a, b = max(lo, c * CHUNK), min(hi, (c + 1) * CHUNK)
-            if a >= b:
-                continue
-            gc = torch.Generator().manual_seed(_key(seed, m, d, t, c))
-            width = min(d, (c + 1) * CHUNK) - c * CHUNK
-            basis = torch.randn(_RANK, width, generator=gc) / math.sqrt(d)
-            part = z @ basis + 0.1 * torch.randn(m, width, generator=gc) / math.sqrt(d)
-            U[:, a - lo:b - lo] = part[:, a - c * CHUNK:b - c * CHUNK]
+    g = torch.Generator().manual_seed(_key(seed, m, d, t, -1))
+    z = torch.randn(m, _RANK, generator=g)
+    z[:, 0] = 1.0 + 0.3 * z[:, 0]                          # the direction clients share
+    U = torch.empty(m, hi - lo)
+    for c in range(lo // CHUNK, math.ceil(hi / CHUNK)):
+        a, b = max(lo, c * CHUNK), min(hi, (c + 1) * CHUNK)
+        if a >= b:
+            continue
+        gc = torch.Generator().manual_seed(_key(seed, m, d, t, c))
+        width = min(d, (c + 1) * CHUNK) - c * CHUNK
+        basis = torch.randn(_RANK, width, generator=gc) / math.sqrt(d)
+        for i in range(0, m, _ROWS):  # a few rows at a time: small transients, no heap growth
+            part = torch.randn(min(_ROWS, m - i), width, generator=gc).mul_(0.1 / math.sqrt(d))
+            part.addmm_(z[i:i + _ROWS], basis)                # noise + z B
+            U[i:i + _ROWS, a - lo:b - lo] = part[:, a - c * CHUNK:b - c * CHUNK]
             del part
-        out.append(dict(updates=U, losses=1.0 + torch.rand(m, generator=g),
-                        num_samples=torch.randint(50, 500, (m,), generator=g)))
-    return out
+    return dict(updates=U, losses=1.0 + torch.rand(m, generator=g),
+                num_samples=torch.randint(50, 500, (m,), generator=g))
 
 
 def _key(*parts: int) -> int:
@@ -176,6 +201,7 @@ def bench_sharded(comm, algorithms: Sequence[str], ms: Sequence[int], ds: Sequen
 def _case(comm, alg: str, m: int, d: int, tau: int | None, repeats: int, warmup: int,
           seed: int) -> dict | None:
     group = ShardGroup(comm, d)
+    reset_peak()
     base = rss_mb()
     fed = tau if tau is not None else 1
     agg, current = _fed_rule(group, alg, m, d, tau, fed, seed)
@@ -221,18 +247,18 @@ def _fed_rule(group: ShardGroup, alg: str, m: int, d: int, tau: int | None, fed:
     if getattr(cls, "needs_num_clients", False) or _takes(alg, "num_clients"):
         params["num_clients"] = K
     agg = cls(**params)
-    base = block_rounds(m, d, fed + 1, group.lo, group.hi, seed)
-    rounds = []
-    for t, b in enumerate(base):
+    for t in range(fed + 1):  # one round's block at a time: fed, then dropped (the rule
+        b = block_round(m, d, t, group.lo, group.hi, seed)  # keeps what it keeps)
         stats = {k: _stat(m, shape, seed, t) for k, shape in ex.stats.items()}
-        rounds.append(RoundUpdates(round=t, client_ids=np.arange(t * m, (t + 1) * m),
-                                   updates=b["updates"], losses=b["losses"],
-                                   num_samples=b["num_samples"].numpy(), lr=0.01, stats=stats,
-                                   shards=group))
-    del base
-    for r in rounds[:-1]:
+        r = RoundUpdates(round=t, client_ids=np.arange(t * m, (t + 1) * m),
+                         updates=b["updates"], losses=b["losses"],
+                         num_samples=b["num_samples"].numpy(), lr=0.01, stats=stats,
+                         shards=group)
+        del b
+        if t == fed:
+            return agg, r
         agg.aggregate(r)
-    return agg, rounds[-1]
+        del r
 
 
 def _stat(m: int, shape: tuple, seed: int, t: int) -> torch.Tensor:
