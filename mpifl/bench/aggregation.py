@@ -235,12 +235,7 @@ def write_hdf5(result: AggregationBench, path: str | Path) -> None:
     import h5py
 
     with h5py.File(path, "w") as f:
-        f.attrs["benchmark"] = "aggregation"
-        for k, v in {**result.settings, **result.machine}.items():
-            if v is None:
-                continue
-            f.attrs[k] = (np.asarray(v) if isinstance(v, (list, tuple))
-                          else str(v) if isinstance(v, str) else v)   # TorchVersion is a str
+        write_attrs(f, "aggregation", {**result.settings, **result.machine})
         names = list(result.skipped)
         f.attrs["skipped_names"] = np.array(names, dtype=h5py.string_dtype())
         f.attrs["skipped_reasons"] = np.array([result.skipped[n] for n in names],
@@ -259,6 +254,16 @@ def write_hdf5(result: AggregationBench, path: str | Path) -> None:
             if rows[0]["ratio"] is not None:
                 for k in H5_BASELINE_DATASETS:
                     g.create_dataset(k, data=np.array([r[k] for r in rows], dtype=np.float64))
+
+
+def write_attrs(f, benchmark: str, values: dict[str, Any]) -> None:
+    """A benchmark file's root attributes: its kind, settings and machine (None left out)."""
+    f.attrs["benchmark"] = benchmark
+    for k, v in values.items():
+        if v is None:
+            continue
+        f.attrs[k] = (np.asarray(v) if isinstance(v, (list, tuple))
+                      else str(v) if isinstance(v, str) else v)   # TorchVersion is a str
 
 
 def read_hdf5(path: str | Path) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:

@@ -55,7 +55,8 @@ import torch
 
 from mpifl.aggregators import RoundUpdates, rule
 from mpifl.aggregators.shards import ShardGroup
-from mpifl.bench.aggregation import EXTRAS, Extras, _takes, machine_info, torch_threads
+from mpifl.bench.aggregation import (EXTRAS, Extras, _takes, machine_info, torch_threads,
+                                     write_attrs)
 
 CHUNK = 1 << 14        # parameters per generated column chunk
 _ROWS = 256            # rows generated at once (a 16 MiB transient)
@@ -317,10 +318,7 @@ def write_sharded_hdf5(result: ShardedBench, path: str | Path) -> None:
     import h5py
 
     with h5py.File(path, "w") as f:
-        f.attrs["benchmark"] = "aggregation-sharded"
-        for k, v in {**result.settings, **result.machine}.items():
-            if v is not None:
-                f.attrs[k] = np.asarray(v) if isinstance(v, (list, tuple)) else v
+        write_attrs(f, "aggregation-sharded", {**result.settings, **result.machine})
         for alg in dict.fromkeys(r["algorithm"] for r in result.rows):
             rows = [r for r in result.rows if r["algorithm"] == alg]
             g = f.create_group(alg)
