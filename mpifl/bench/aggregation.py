@@ -207,13 +207,17 @@ def _bench_grid(algorithms, ms, ds, taus, repeats, warmup, baseline_repeats, dev
 
 def format_table(rows: Sequence[dict]) -> str:
     """The rows of :func:`bench_aggregation` as a plain, aligned text table."""
-    cells = [list(COLUMNS)] + [[_cell(k, row.get(k)) for k in COLUMNS] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
-    left = {"algorithm", "form"}
-    lines = []
-    for r in cells:
-        parts = [c.ljust(w) if k in left else c.rjust(w) for k, c, w in zip(COLUMNS, r, widths)]
-        lines.append("  ".join(parts).rstrip())
+    cells = [[_cell(k, row.get(k)) for k in COLUMNS] for row in rows]
+    return aligned(COLUMNS, cells, left={"algorithm", "form"})
+
+
+def aligned(head: Sequence[str], cells: Sequence[Sequence[str]], left: set[str]) -> str:
+    """Text cells as columns: a header, a rule, one line per row; the columns named in
+    ``left`` flush left, the others right."""
+    table = [list(head), *map(list, cells)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if k in left else c.rjust(w)
+                       for k, c, w in zip(head, r, widths)).rstrip() for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

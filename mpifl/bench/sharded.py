@@ -55,8 +55,8 @@ import torch
 
 from mpifl.aggregators import RoundUpdates, rule
 from mpifl.aggregators.shards import ShardGroup
-from mpifl.bench.aggregation import (EXTRAS, Extras, _takes, machine_info, torch_threads,
-                                     write_attrs)
+from mpifl.bench.aggregation import (EXTRAS, Extras, _takes, aligned, machine_info,
+                                     torch_threads, write_attrs)
 
 CHUNK = 1 << 14        # parameters per generated column chunk
 _ROWS = 256            # rows generated at once (a 16 MiB transient)
@@ -294,7 +294,7 @@ def format_sharded(result: ShardedBench) -> str:
     """A plain table of the rows plus the machine line."""
     head = ("algorithm", "P", "m", "d", "tau", "aggregate_s", "local_s", "allsum_s", "apply_s",
             "gather_s", "peak_MiB(max)", "server_MiB(max)", "rel_diff_vs_P1")
-    cells = [head]
+    cells = []
     for r in result.rows:
         server = max(p - b for p, b in zip(r["peak_rss_mb"], r["base_rss_mb"]))
         cells.append((r["algorithm"], str(r["shards"]), str(r["m"]), str(r["d"]),
@@ -302,10 +302,7 @@ def format_sharded(result: ShardedBench) -> str:
                       f"{r['local_s']:.4g}", f"{r['allsum_s']:.4g}", f"{r['apply_s']:.4g}",
                       f"{r['gather_s']:.4g}", f"{max(r['peak_rss_mb']):.0f}", f"{server:.0f}",
                       f"{r['max_rel_diff']:.1e} (m={r['check_m']}, d={r['check_d']})"))
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(row, widths))).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [aligned(head, cells, left={"algorithm"})]
     mi = result.machine
     lines.append(f"machine: {mi['device_name']}, {result.settings['shards']} rank(s) x "
                  f"{mi['torch_threads']} torch threads, {mi['affinity_cpus']} usable CPUs, "

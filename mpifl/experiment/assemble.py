@@ -117,6 +117,19 @@ def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
                        pretrain_losses=False, order_tag=ADAPT_TAG)
 
 
+def make_aggregator(cfg: Config, parts: Parts):
+    """The run's rule (:func:`mpifl.aggregators.create`) with the parameters the data decide
+    (number of clients, of sensitive groups)."""
+    params = cfg.algorithm_params()
+    rule = aggregators.rule(cfg.server.algorithm)
+    if rule.needs_num_clients:
+        params["num_clients"] = parts.fed.num_clients
+    if rule.needs_num_groups:
+        groups = group_setup(parts.fed, torch.device("cpu"))
+        params["num_groups"] = groups[1] if groups else 0
+    return aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
+
+
 def uses_meta_step(cfg: Config) -> bool:
     """Whether the server applies FedMeta's meta step after every aggregation: the selected rule
     asks for it (``meta_step = True``, e.g. ``fedmeta``) or ``server.meta = true``."""

@@ -21,14 +21,14 @@ from typing import Callable, TypeVar
 
 import torch
 
-from mpifl import aggregators
+from mpifl.aggregators.shards import ShardGroup, shard_bounds
 from mpifl.core.errors import ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
-from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_trainer,
-                                       meta_step_for, trainer_columns, uses_meta_step)
+from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
+                                       make_trainer, meta_step_for, trainer_columns,
+                                       uses_meta_step)
 from mpifl.experiment.config import Config, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
-from mpifl.aggregators.shards import ShardGroup, shard_bounds
 from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
@@ -203,7 +203,7 @@ def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
                  rounds: int | None, size: int = 1) -> Start:
     """Take the run lock (before anything is opened for writing), then plan the start; a
     config that cannot run on ``size`` ranks is refused before an old run is replaced."""
-    if cfg is not None:
+    if cfg is not None:  # before an --overwrite removes anything
         _check_shards(cfg.server.shards, size)
     if cfg is None and not out.parent.is_dir():  # `mpifl resume` needs an existing run
         raise OutputError(f"{out}: no such run to resume (no folder {out.parent})")
@@ -216,7 +216,8 @@ def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
             raise OutputError(f"--out {out}: cannot write there ({exc.strerror})") from None
     lock.acquire()
     start = plan_start(cfg, out, mode, rounds)
-    _check_shards(start.cfg.server.shards, size)  # resuming: the stored (or changed) config
+    if cfg is None:  # `mpifl resume`: the stored config, known only now
+        _check_shards(start.cfg.server.shards, size)
     return start
 
 
@@ -309,7 +310,8 @@ def _shard_setup(comm, rank: int, cfg: Config, parts, start: Start):
     every rank when P = 1. Collective on every rank.
 
     Raises:
-        MpiflError: fewer ranks than shards, or a missing or damaged shard file (every rank).
+        MpiflError: a missing or damaged shard file (every rank; fewer ranks than shards is
+            refused earlier, by :func:`_plan_locked`).
     """
     P = cfg.server.shards
     if P == 1:
@@ -344,19 +346,6 @@ def _check_shards(shards: int, size: int) -> None:
                           f"0 .. {shards - 1} are the shards), this job has {size}: start it "
                           f"with mpiexec -n {max(shards, 2)} (or srun --ntasks) or lower "
                           "server.shards")
-
-
-def make_aggregator(cfg: Config, parts):
-    """The run's rule (:func:`mpifl.aggregators.create`) with the parameters the data decide
-    (number of clients, of sensitive groups)."""
-    params = cfg.algorithm_params()
-    rule = aggregators.rule(cfg.server.algorithm)
-    if rule.needs_num_clients:
-        params["num_clients"] = parts.fed.num_clients
-    if rule.needs_num_groups:
-        groups = group_setup(parts.fed, torch.device("cpu"))
-        params["num_groups"] = groups[1] if groups else 0
-    return aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
 
 
 def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,

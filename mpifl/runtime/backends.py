@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpifl.runtime.comm import EvalReply, MPITransport, peak_rss_bytes, split_by_samples
+from mpifl.runtime.comm import (EvalReply, MPITransport, peak_rss_bytes, rank_counts,
+                                split_by_samples)
 
 
 @dataclass
@@ -153,7 +154,7 @@ class RemoteClients:
     def __init__(self, transport: MPITransport, fed, device: torch.device):
         self.transport, self.fed, self.device = transport, fed, device
         bounds = split_by_samples(fed.num_test, transport.workers)
-        self._eval_counts = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+        self._eval_counts = rank_counts(bounds)
         self._width = stats_width(group_setup(fed, torch.device("cpu")))
 
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,

@@ -139,6 +139,13 @@ def split_by_samples(num_samples: np.ndarray, parts: int) -> np.ndarray:
     return np.maximum.accumulate(bounds)
 
 
+def rank_counts(bounds: np.ndarray) -> np.ndarray:
+    """(workers + 1,) int64 rows per rank from the workers' block bounds of
+    :func:`split_by_samples`: rank 0 holds none, rank r block r - 1 (the counts of a
+    Gatherv or Scatterv over the whole communicator)."""
+    return np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+
+
 def bcast_text(comm, text: str | None) -> str:
     """Setup: send a text (e.g. the config JSON) from rank 0 to every rank, as raw bytes."""
     from mpi4py import MPI
@@ -310,7 +317,7 @@ class MPITransport:
         self._bcast_header(TRAIN, rnd, lr, m)
         ids = self._bcast_ids_w(client_ids, w)
         sent = self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes)
-        blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+        blocks = rank_counts(bounds)
         if cols.inputs:
             self._inputs[:] = inputs
             self._collective("Bcast", [self._inputs, self.MPI.DOUBLE])
@@ -348,7 +355,7 @@ class MPITransport:
         self._bcast_header(LOSSES, 0, 0.0, m)
         ids = self._bcast_ids_w(client_ids, w)
         losses = np.empty(m, dtype=np.float32)
-        blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
+        blocks = rank_counts(bounds)
         self._results_ready()
         self._gatherv(np.empty(0, np.float32), blocks, losses, self.MPI.FLOAT)
         return losses, self.workers * (self._header.nbytes + ids.nbytes + self._w.nbytes) + losses.nbytes
@@ -432,7 +439,8 @@ class MPITransport:
         statistics rows (m_r, S).
 
         Args:
-            blocks: on a sharded server, (size,) selected clients per rank (rank 0: 0).
+            blocks: (size,) selected clients per rank (:func:`rank_counts`; used on a sharded
+                server only).
 
         Returns:
             On a shard rank of a sharded server, its column block of every selected client's

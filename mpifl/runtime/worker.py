@@ -15,7 +15,7 @@ import torch
 
 from mpifl.runtime.backends import evaluate, evaluate_adapted, group_setup, stats_rows
 from mpifl.runtime.comm import (CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport,
-                                split_by_samples)
+                                rank_counts, split_by_samples)
 
 
 def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=None,
@@ -56,15 +56,12 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
             continue
         w = torch.from_numpy(req.w).to(device)
         if req.command == TRAIN:
-            ids = mine(req.client_ids)
+            bounds = split_by_samples(fed.num_train[req.client_ids], workers)
+            ids = req.client_ids[bounds[block]:bounds[block + 1]]
             t0 = time.perf_counter()
             state = None if req.state is None else torch.from_numpy(req.state).to(device)
             out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
-            blocks = None
-            if transport.shard_bounds is not None:  # every rank's row count, rank 0's is 0
-                bounds = split_by_samples(fed.num_train[req.client_ids], workers)
-                blocks = np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
-            cols = transport.send_updates(*out, time.perf_counter() - t0, blocks)
+            cols = transport.send_updates(*out, time.perf_counter() - t0, rank_counts(bounds))
             if shard is not None:  # this shard's part of the aggregation
                 shard.aggregate(req.round, req.lr, req.client_ids,
                                 torch.from_numpy(cols).to(device))
