@@ -18,12 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from mpifl.core.errors import EXIT_PEER_LOST
 from tests.helpers import mpiexec, small_fmnist_job, write_fmnist_job
 from tests.test_slurm import SCRIPT, free_port_pair
 
@@ -59,16 +61,34 @@ def our_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if re.match(r"mpifl-n\d+\b", line)]
 
 
-def test_three_nodes_run_like_one_and_leave_nothing_behind(job, one_node, tmp_path):
+@contextmanager
+def cluster(nodes: int = 3):
+    """A local cluster of ``nodes`` namespace nodes, its environment; taken down after, and
+    then nothing of it may be left: no namespace, link or daemon."""
     if os.geteuid() != 0:
         pytest.skip("namespaces and SLURM daemons need root")
     # short: slurmstepd's unix sockets live under the spool folder (108-byte path limit)
     folder = Path(tempfile.mkdtemp(prefix="mfl-", dir="/tmp"))
+    # MPICH's libfabric netmod: its business card fits one PMI line (slurm/README.md "MPI_Init
+    # under srun"); the default UCX card sometimes breaks Slurm's PMI and with it MPI_Init
     env = dict(MPIFL_SLURM_DIR=str(folder), MPIFL_SLURM_PORT=str(free_port_pair()),
-               SLURM_CONF=str(folder / "etc" / "slurm.conf"), MPIFL_PYTHON=sys.executable)
+               SLURM_CONF=str(folder / "etc" / "slurm.conf"), MPIFL_PYTHON=sys.executable,
+               MPIR_CVAR_CH4_NETMOD="ofi")
     try:
-        up = run("bash", SCRIPT, "up", "--nodes", "3", **env)
-        assert "up: 3 nodes" in up.stderr
+        up = run("bash", SCRIPT, "up", "--nodes", str(nodes), **env)
+        assert f"up: {nodes} nodes" in up.stderr
+        yield env
+    finally:
+        run("bash", SCRIPT, "down", check=False, **env)
+    assert our_namespaces() == []
+    assert subprocess.run(["ip", "link", "show", "mpiflbr0"], capture_output=True).returncode != 0
+    daemons = subprocess.run(["pgrep", "-af", str(folder)], capture_output=True, text=True).stdout
+    assert daemons.strip() == "", daemons  # no slurmd, slurmctld or munged of this cluster
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_three_nodes_run_like_one_and_leave_nothing_behind(job, one_node, tmp_path):
+    with cluster(3) as env:
         nodes = run("sinfo", "-h", "-N", "-o", "%N %t", **env).stdout.split("\n")
         assert sorted(n.split()[0] for n in nodes if n) == ["mpifl-n1", "mpifl-n2", "mpifl-n3"]
         out = tmp_path / "three-nodes.h5"
@@ -80,13 +100,102 @@ def test_three_nodes_run_like_one_and_leave_nothing_behind(job, one_node, tmp_pa
             assert a.attrs["status"] == "complete" and a.attrs["world_size"] == 3
             for key in ("model/global", "eval/client_accuracy", "rounds/selected"):
                 np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
-    finally:
-        run("bash", SCRIPT, "down", check=False, **env)
-    assert our_namespaces() == []
-    assert subprocess.run(["ip", "link", "show", "mpiflbr0"], capture_output=True).returncode != 0
-    daemons = subprocess.run(["pgrep", "-af", str(folder)], capture_output=True, text=True).stdout
-    assert daemons.strip() == "", daemons  # no slurmd, slurmctld or munged of this cluster
-    shutil.rmtree(folder, ignore_errors=True)
+
+
+#: the lost-node runs: long enough that the node is lost mid-run (a round takes ~0.1 s)
+LOST_ROUNDS = ["--set", "run.rounds=45", "--set", "run.peer_timeout_s=5"]
+
+
+@pytest.fixture(scope="module")
+def long_one_node(job) -> Path:
+    """The lost-node runs' reference: their job on 3 ranks of this machine, uninterrupted."""
+    out = job.parent / "long-one-node.h5"
+    run(mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", job, "--out", out,
+        "--no-progress", *LOST_ROUNDS)
+    return out
+
+
+def lose_node(out: Path, node: str = "mpifl-n3") -> None:
+    """Once the run ``out`` has a checkpoint, kill every process of ``node`` (its slurmd, step
+    daemon and rank): the node is gone as if it had crashed."""
+    ckpt = out.with_name(out.name + ".ckpt")
+    deadline = time.monotonic() + 120
+    while not list(ckpt.glob("round-*.h5")):
+        assert time.monotonic() < deadline, f"no checkpoint of {out} within 120 s"
+        time.sleep(0.05)
+    pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout
+    for pid in pids.split():
+        os.kill(int(pid), signal.SIGKILL)
+
+
+def assert_finished_on_two_nodes(out: Path, log: str, reference: Path) -> None:
+    """The run lost a node mid-way, resumed from its checkpoint on the 2 nodes left (2 ranks)
+    and ends as the uninterrupted 3-rank run: same selected clients and accuracies, the model
+    to the precision of a change of world size (README "Resuming")."""
+    assert "Node failure on mpifl-n3" in log, log[-3000:]
+    assert "ranks on hosts: 0:mpifl-n1, 1:mpifl-n2, 2:mpifl-n3" in log, log[-3000:]
+    assert re.search(r"resuming after round \d+", log), log[-3000:]
+    assert "ranks on hosts: 0:mpifl-n1, 1:mpifl-n2\n" in log, log[-3000:]
+    with h5py.File(out) as a, h5py.File(reference) as b:
+        assert a.attrs["status"] == "complete" and a.attrs["world_size"] == 2
+        for key in ("rounds/selected", "rounds/round", "eval/client_accuracy"):
+            np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
+        np.testing.assert_allclose(a["model/global"][()], b["model/global"][()], atol=1e-5)
+
+
+def test_a_lost_node_and_the_template_job_finishes_on_the_others(job, long_one_node, tmp_path):
+    with cluster(3) as env:
+        out, log = tmp_path / "lost.h5", tmp_path / "lost.out"
+        sbatch = subprocess.Popen(
+            ["sbatch", "--wait", "-N", "3", "--ntasks-per-node=1", "--output", str(log),
+             str(ROOT / "slurm" / "mpifl-run.sbatch"), str(job), str(out), *LOST_ROUNDS],
+            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        lose_node(out)
+        lost = time.monotonic()
+        text, _ = sbatch.communicate(timeout=240)
+        print(f"lost node to finished job: {time.monotonic() - lost:.0f} s")
+        assert sbatch.returncode == 0, text + log.read_text()[-3000:]
+        text = log.read_text()
+        assert ("mpifl job: a node was lost; launching on the remaining nodes "
+                "(--nodes=2 --ntasks=2 --overlap)") in text, text[-3000:]
+        assert_finished_on_two_nodes(out, text, long_one_node)
+
+
+def test_a_lost_node_and_the_sweep_job_finishes_on_the_others(job, long_one_node, tmp_path):
+    sweep = tmp_path / "sweep-lost.toml"
+    sweep.write_text(f"""
+[sweep]
+name = "lost"
+base = "{job}"
+ranks = 3
+[set]
+"run.rounds" = 45
+"run.peer_timeout_s" = 5
+[algorithms.fedfv]
+[slurm]
+nodes = 3
+time_min = 10
+""")
+    with cluster(3) as env:
+        folder = tmp_path / "sweep"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mpifl", "sweep", str(sweep), "--executor", "slurm", "--out",
+             str(folder), "--wait"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
+        runs = folder / "runs"
+        deadline = time.monotonic() + 120
+        while not list(runs.glob("*.h5")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (out,) = [p for p in runs.glob("*.h5")]
+        lose_node(out)
+        text, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, text[-3000:]
+        log = "".join(p.read_text() for p in sorted((folder / "logs").glob("*.out")))
+        assert "nodes (a node was lost): launching 2 ranks on them" in log, log[-3000:]
+        assert_finished_on_two_nodes(out, log, long_one_node)
+        status = json.loads((folder / "index.json").read_text())
+        assert [r["status"] for r in status["runs"].values()] == ["complete"], status
 
 
 def test_a_hung_worker_ends_the_job_within_the_timeout(job, one_node, tmp_path):
@@ -107,7 +216,7 @@ def test_a_hung_worker_ends_the_job_within_the_timeout(job, one_node, tmp_path):
     os.kill(max(ranks), signal.SIGSTOP)
     stopped = time.monotonic()
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and time.monotonic() - stopped < 30
+    assert proc.returncode == EXIT_PEER_LOST and time.monotonic() - stopped < 30, proc.returncode
     lines = [line for line in err.splitlines() if line.startswith("mpifl: error:")]
     assert lines and "within run.peer_timeout_s = 3 s" in lines[0], err[-2000:]
     # the last checkpoint is good: resumed for 3 more rounds; the first 6 rounds are the
@@ -122,3 +231,24 @@ def test_a_hung_worker_ends_the_job_within_the_timeout(job, one_node, tmp_path):
         np.testing.assert_array_equal(a["rounds/selected"][:6], b["rounds/selected"][()])
         np.testing.assert_array_equal(a["rounds/train_loss"][:6], b["rounds/train_loss"][()])
         assert json.loads(a.attrs["config"])["run"]["peer_timeout_s"] == 3
+
+
+def test_a_rank_held_before_mpi_init_ends_the_job_within_init_timeout(job, tmp_path):
+    """run.init_timeout_s bounds MPI_Init: rank 1 is held before it (a plugin module that sleeps
+    at import on rank 1, as a rank whose PMI exchange broke would hang), rank 0 waits there for
+    it and, after the timeout, exits with status 1 saying where it waited; mpiexec ends rank 1.
+    Nothing is written."""
+    (tmp_path / "late_rank.py").write_text(
+        "import os, time\nif os.environ.get('PMI_RANK') == '1':\n    time.sleep(120)\n")
+    late = tmp_path / "late.toml"
+    late.write_text(job.read_text() + f'\n[plugins]\nmodules = ["late_rank"]\npath = ["{tmp_path}"]\n')
+    out = tmp_path / "late.h5"
+    started = time.monotonic()
+    proc = run(mpiexec(), "-n", "2", sys.executable, "-m", "mpifl", "run", late, "--out", out,
+               "--no-progress", "--set", "run.init_timeout_s=3", timeout=100, check=False)
+    took = time.monotonic() - started
+    assert proc.returncode != 0 and took < 60, (took, proc.stderr[-2000:])
+    assert "Timeout (0:00:03)!" in proc.stderr and "in world" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists() and not out.with_name(out.name + ".ckpt").exists()
+    left = subprocess.run(["pgrep", "-f", str(late)], capture_output=True, text=True).stdout
+    assert left.strip() == "", left

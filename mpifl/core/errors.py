@@ -1,8 +1,17 @@
 """Errors that mean "the user (or the machine) got something wrong", not "mpifl has a bug".
 
 The command line catches :class:`MpiflError`, prints its message on one line and exits with
-status 2, never a traceback. Anything else is a bug and keeps its traceback.
+status 2 (:data:`EXIT_PEER_LOST` for :class:`PeerLost`), never a traceback. Anything else is a
+bug and keeps its traceback.
 """
+
+#: Exit status of a command stopped by a :class:`MpiflError`: bad input, not worth retrying.
+EXIT_BAD_INPUT = 2
+
+#: Exit status of a job that ended because a rank stopped answering (:class:`PeerLost`): not
+#: the input's fault, so the SLURM templates and sweep jobs launch it again with --resume
+#: (status 2, bad input, they do not).
+EXIT_PEER_LOST = 4
 
 
 class MpiflError(Exception):
@@ -23,4 +32,5 @@ class OutputError(MpiflError):
 
 class PeerLost(MpiflError):
     """Another MPI rank did not answer within ``run.peer_timeout_s`` (it hangs, or its node is
-    lost): the job is ended rather than left waiting forever."""
+    lost): the job is ended, with status :data:`EXIT_PEER_LOST`, rather than left waiting
+    forever."""

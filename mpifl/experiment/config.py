@@ -61,6 +61,10 @@ class RunConfig(_Section):
     # 0 = forever. Set it above the longest phase (a round's training; aggregation + evaluation
     # + checkpoint)
     peer_timeout_s: float = Field(0.0, ge=0.0, le=1e7)
+    # seconds a rank may spend in MPI_Init (every rank waits there for all the others) before it
+    # exits with status 1 and the launcher ends the job, which a SLURM job then launches again;
+    # 0 = forever
+    init_timeout_s: float = Field(300.0, ge=0.0, le=1e7)
     # evaluation after local adaptation: at every evaluation each client also trains the global
     # model for this many epochs of plain local SGD on its training split (client section's
     # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
@@ -285,7 +289,7 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 #: Keys a resumed run may change: they decide how long it runs, where things go, or how
 #: clients are chunked in memory — never what is computed.
 RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.loggers",
-                  "run.peer_timeout_s", "data.data_root",
+                  "run.peer_timeout_s", "run.init_timeout_s", "data.data_root",
                   "plugins.path",
                   "server.device", "server.shards", "client.memory_budget_mb"}
 

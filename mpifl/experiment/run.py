@@ -22,12 +22,12 @@ from typing import Callable, TypeVar
 import torch
 
 from mpifl.aggregators.shards import ShardGroup, shard_bounds
-from mpifl.core.errors import ConfigError, MpiflError, OutputError
+from mpifl.core.errors import EXIT_PEER_LOST, ConfigError, MpiflError, OutputError, PeerLost
 from mpifl.core.locking import RunLock
 from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
                                        make_trainer, meta_step_for, trainer_columns,
                                        uses_meta_step)
-from mpifl.experiment.config import Config, config_diff, config_from_json
+from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
 from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
@@ -41,7 +41,8 @@ from mpifl.store.results import ResultsWriter, preflight, read_results
 log = logging.getLogger("mpifl")
 T = TypeVar("T")
 
-#: Exit status of every rank when a rank failed (the same as a user error: one line, status 2).
+#: Exit status of every rank when a rank failed (the same as a user error: one line, status 2;
+#: EXIT_PEER_LOST, 4, when a rank stopped answering).
 EXIT_FAILED = 2
 
 
@@ -238,7 +239,9 @@ def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: 
         MpiflError: bad output path, damaged files, changed config or missing data (on every
             rank, the same message).
     """
-    comm = world()
+    # `mpifl resume` reads its stored config after MPI_Init: it gets the default bound
+    comm = world(cfg.run.init_timeout_s if cfg is not None
+                 else RunConfig.model_fields["init_timeout_s"].default)
     size = comm.Get_size() if comm is not None else 1
     rank = comm.Get_rank() if comm is not None else 0
     stop = StopRequest().install()
@@ -355,20 +358,23 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
     Rank 0 failing between requests (a results or checkpoint write, aggregation) sends STOP
     with status 2, so the workers leave their loop cleanly and every rank exits 2 with rank 0's
     one-line message. Anywhere else (a worker, or rank 0 inside a collective) the failing rank
-    prints its one line and calls MPI_Abort, which ends the whole job within seconds.
+    prints its one line and calls MPI_Abort, which ends the whole job within seconds. The
+    status is 4 (EXIT_PEER_LOST) instead of 2 when a rank stopped answering: launching again
+    may well work.
     """
     line = one_line(exc)
     if not isinstance(exc, (MpiflError, KeyboardInterrupt)):
         log.debug("rank %d failed", rank, exc_info=True)
     in_shards = shard is not None and shard.busy  # the other shards wait in a collective
+    code = EXIT_PEER_LOST if isinstance(exc, PeerLost) else EXIT_FAILED
     if rank == 0 and not transport.busy and not in_shards and isinstance(exc, Exception):
-        transport.stop(EXIT_FAILED)
+        transport.stop(code)
         if not isinstance(exc, MpiflError):
             raise MpiflError(line) from None
         return
     print(f"mpifl: error: rank {rank}: {line}; ending every rank of the job", file=sys.stderr,
           flush=True)
-    transport.abort(EXIT_FAILED)
+    transport.abort(code)
 
 
 def _all(comm, flag: bool | None) -> bool:

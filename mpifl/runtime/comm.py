@@ -45,8 +45,10 @@ one-process runs work without an MPI library.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import resource
+import sys
 import time
 from dataclasses import dataclass
 
@@ -103,12 +105,30 @@ def wait_idle(request, max_sleep: float = 2e-4, timeout: float = 0.0, waiting_fo
         pause = min(2 * pause, max_sleep)
 
 
-def world():
-    """The MPI world communicator, or None when mpi4py is not installed."""
+def world(init_timeout_s: float = 0.0):
+    """The MPI world communicator, or None when mpi4py is not installed.
+
+    Args:
+        init_timeout_s: seconds this rank may spend in MPI_Init (the first import of
+            ``mpi4py.MPI``; every rank waits there for all the others), 0 = forever. A rank
+            still in it then prints "Timeout" and where it waits, and exits with status 1, so
+            the launcher ends every rank and a SLURM job's next launch can follow. Seen under
+            ``srun --mpi=pmi2`` when the PMI exchange breaks (slurm/README.md).
+    """
     try:
-        from mpi4py import MPI
+        import mpi4py  # noqa: F401  (installed? MPI_Init comes with mpi4py.MPI)
     except ImportError:
         return None
+    if init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules:
+        # faulthandler's watchdog is a C thread: it fires inside MPI_Init, where a Python
+        # signal handler or thread would wait for the import to give the interpreter back
+        faulthandler.dump_traceback_later(init_timeout_s, exit=True)
+        try:
+            from mpi4py import MPI
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    from mpi4py import MPI
+
     return MPI.COMM_WORLD
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mpifl.core.errors import EXIT_BAD_INPUT
 from mpifl.runtime.signals import EXIT_CHECKPOINTED
 
 
@@ -31,8 +32,12 @@ class MpiRun:
     received by this process are passed on to the ranks as SIGUSR1 (srun would turn a SIGTERM
     into killing the step); the ranks checkpoint and exit with status 3.
 
-    A launch that fails otherwise (status not 0, 2 or 3) is tried again, up to ``launches``
+    A launch that fails otherwise (status not 0, 2 or 3; e.g. 4, a rank that stopped answering,
+    or a failed MPI_Init) is tried again, up to ``launches``
     times in all, while the job is still running: ``--resume`` continues where it stopped.
+    Multi-node jobs are submitted with ``--no-kill``: a lost node leaves the job running on
+    the others, and the next launch starts as many ranks per node on the nodes that remain
+    (:func:`srun_shape`), fewer ranks in all.
 
     Returns:
         ``{"id", "status": "complete" | "checkpointed", "results"}``.
@@ -52,9 +57,11 @@ class MpiRun:
 
     def __call__(self) -> dict[str, str]:
         for attempt in range(1, self.launches + 1):
-            _say(f"{self.id}: {shlex.join(self.argv)}")
-            rc = _run_forwarding(self.argv, {**os.environ, **self.env})
-            if rc in (0, 2, EXIT_CHECKPOINTED) or attempt == self.launches or not _may_retry():
+            argv = _fit_to_allocation(self.argv) if self.slurm else self.argv
+            _say(f"{self.id}: {shlex.join(argv)}")
+            rc = _run_forwarding(argv, {**os.environ, **self.env})
+            if rc in (0, EXIT_BAD_INPUT, EXIT_CHECKPOINTED) or attempt == self.launches \
+                    or not _may_retry():
                 break
             _say(f"{self.id}: launch {attempt} failed with status {rc}; trying again (--resume)")
             time.sleep(self.retry_wait_s)
@@ -84,6 +91,21 @@ def job_state(job_id: str) -> str | None:
         return None
     m = re.search(r"\bJobState=(\S+)", out)
     return m.group(1) if m else None
+
+
+def _fit_to_allocation(argv: list[str]) -> list[str]:
+    """``argv`` (``srun ...``) with its node and task counts fitted to the job's nodes now."""
+    # imported here: the templates run `python -m mpifl.sweep.allocation`, which warns when the
+    # package's import (mpifl.sweep -> job) has loaded that module already
+    from mpifl.sweep.allocation import allocated_nodes, reshaped, srun_shape
+
+    job = os.environ.get("SLURM_JOB_ID")
+    shape = srun_shape(allocated_nodes(job)) if job and argv[:1] == ["srun"] else []
+    if shape:
+        _say(f"the job has {shape[0].split('=')[1]} of its "
+             f"{os.environ.get('SLURM_JOB_NUM_NODES')} nodes (a node was lost): launching "
+             f"{shape[1].split('=')[1]} ranks on them")
+    return reshaped(argv, shape)
 
 
 def _may_retry() -> bool:

@@ -1,0 +1,81 @@
+"""The nodes a running SLURM job still has, and the srun shape that fits its ranks onto them.
+
+Jobs are submitted with ``--no-kill`` (templates and sweeps): when one of a job's nodes is lost
+SLURM drops it from the allocation and the job keeps running, and the next launch must ask
+srun for the nodes that remain (an srun that asks for the original count is refused).
+``python -m mpifl.sweep.allocation shape`` prints those srun options for the sbatch templates;
+:class:`mpifl.sweep.job.MpiRun` calls :func:`srun_shape` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+
+def srun_shape(nodes_now: int | None, env: dict[str, str] | None = None) -> list[str]:
+    """srun options that fit the job's ranks onto the nodes it still has.
+
+    A job submitted with ``--no-kill`` keeps running when one of its nodes is lost: SLURM
+    drops the node from the allocation, and an srun that asks for the original node count is
+    refused. The next launch then keeps the ranks per node and uses every node left, so the
+    run resumes from its checkpoint on fewer ranks (results to the precision of a change of
+    world size, README "Resuming").
+
+    Args:
+        nodes_now: the allocation's node count now (``NumNodes`` of ``scontrol show job``), or
+            None when unknown.
+        env: the job's environment (default ``os.environ``): ``SLURM_JOB_NUM_NODES`` (the
+            nodes the job started with), ``SLURM_NTASKS_PER_NODE`` or ``SLURM_NTASKS``.
+
+    Returns:
+        ``[]`` when the job still has all its nodes (or this is not a SLURM job), else
+        ``["--nodes=N", "--ntasks=N*K", "--overlap"]`` with K the ranks per node it started
+        with.
+    """
+    env = os.environ if env is None else env
+    started = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "0")) or 0)
+    if not nodes_now or not started or nodes_now >= started:
+        return []
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    k = int(per_node) if per_node.isdigit() else max(1, int(env.get("SLURM_NTASKS", started)) // started)
+    # --overlap: the step of the launch that lost the node is never completed by SLURM 22.05
+    # (its lost node cannot report), holds its CPUs on the remaining nodes until the job ends,
+    # and a new step that does not overlap it waits for them forever
+    return [f"--nodes={nodes_now}", f"--ntasks={nodes_now * k}", "--overlap"]
+
+
+def reshaped(argv: list[str], shape: list[str]) -> list[str]:
+    """``argv`` (``srun ...``) with its node and task counts replaced by ``shape``
+    (:func:`srun_shape`); ``argv`` itself when ``shape`` is empty.
+
+    Raises:
+        ValueError: ``shape`` given for a command that is not ``srun``.
+    """
+    if not shape:
+        return argv
+    if argv[:1] != ["srun"]:
+        raise ValueError(f"only an srun launch can be fitted to the job's nodes, not {argv[:1]}")
+    drop = ("--ntasks=", "--nodes=", "--overlap")
+    return [argv[0], *shape, *(a for a in argv[1:] if not a.startswith(drop))]
+
+
+def allocated_nodes(job_id: str) -> int | None:
+    """NumNodes of a running SLURM job now (None when unknown); less than it started with
+    after a node of a ``--no-kill`` job was lost."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                             text=True, timeout=60, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"\bNumNodes=(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+if __name__ == "__main__":  # the sbatch templates: `python -m mpifl.sweep.allocation shape`
+    if sys.argv[1:] != ["shape"]:
+        sys.exit("usage: python -m mpifl.sweep.allocation shape  (srun options for this job's nodes now)")
+    job_id = os.environ.get("SLURM_JOB_ID")
+    print(*srun_shape(allocated_nodes(job_id) if job_id else None))
