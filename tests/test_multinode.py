@@ -2,9 +2,12 @@
 mount and IPC namespace with its own slurmd), and a hung rank detected by run.peer_timeout_s.
 
 A run across three nodes gives the bits of the same run under mpiexec on one node (same world
-size and threads); `down` leaves no namespace, link or daemon behind. A SIGSTOPped worker ends
-the whole job within the timeout, the checkpoint stays good, and the resumed run finishes with
-the uninterrupted run's results.
+size and threads); `down` leaves no namespace, link or daemon behind. A node killed mid-run
+(sbatch template, and sweep job): the job finishes on the two nodes left, resumed from its
+checkpoint, with the uninterrupted run's rounds, clients and accuracies. A SIGSTOPped worker
+ends the whole job within the timeout (status 4), the checkpoint stays good, and the resumed run
+finishes with the uninterrupted run's results; a rank held before MPI_Init ends the job after
+run.init_timeout_s.
 """
 
 from __future__ import annotations
@@ -241,7 +244,8 @@ def test_a_rank_held_before_mpi_init_ends_the_job_within_init_timeout(job, tmp_p
     (tmp_path / "late_rank.py").write_text(
         "import os, time\nif os.environ.get('PMI_RANK') == '1':\n    time.sleep(120)\n")
     late = tmp_path / "late.toml"
-    late.write_text(job.read_text() + f'\n[plugins]\nmodules = ["late_rank"]\npath = ["{tmp_path}"]\n')
+    late.write_text(job.read_text()
+                    + f'\n[plugins]\nmodules = ["late_rank"]\npath = ["{tmp_path}"]\n')
     out = tmp_path / "late.h5"
     started = time.monotonic()
     proc = run(mpiexec(), "-n", "2", sys.executable, "-m", "mpifl", "run", late, "--out", out,

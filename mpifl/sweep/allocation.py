@@ -40,7 +40,10 @@ def srun_shape(nodes_now: int | None, env: dict[str, str] | None = None) -> list
     if not nodes_now or not started or nodes_now >= started:
         return []
     per_node = env.get("SLURM_NTASKS_PER_NODE", "")
-    k = int(per_node) if per_node.isdigit() else max(1, int(env.get("SLURM_NTASKS", started)) // started)
+    if per_node.isdigit():
+        k = int(per_node)
+    else:  # sbatch -n without --ntasks-per-node: the tasks per node it started with
+        k = max(1, int(env.get("SLURM_NTASKS", started)) // started)
     # --overlap: the step of the launch that lost the node is never completed by SLURM 22.05
     # (its lost node cannot report), holds its CPUs on the remaining nodes until the job ends,
     # and a new step that does not overlap it waits for them forever
@@ -76,6 +79,8 @@ def allocated_nodes(job_id: str) -> int | None:
 
 if __name__ == "__main__":  # the sbatch templates: `python -m mpifl.sweep.allocation shape`
     if sys.argv[1:] != ["shape"]:
-        sys.exit("usage: python -m mpifl.sweep.allocation shape  (srun options for this job's nodes now)")
+        print("usage: python -m mpifl.sweep.allocation shape  (the srun options for this job's "
+              "nodes now)", file=sys.stderr)
+        sys.exit(2)
     job_id = os.environ.get("SLURM_JOB_ID")
     print(*srun_shape(allocated_nodes(job_id) if job_id else None))
