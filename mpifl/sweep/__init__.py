@@ -8,9 +8,17 @@ One job per module: ``spec`` reads and checks the sweep file, ``plan`` expands i
 the runs (``local``, ``slurm``), ``job`` is :class:`MpiRun` (what runs on the nodes),
 ``report`` makes the tables and plots, ``cli`` is ``mpifl sweep``.
 
-``mpifl.sweep.MpiRun`` stays importable here: queued submitit jobs pickle it by this path.
+``mpifl.sweep.MpiRun`` stays importable here: queued submitit jobs pickle it by this path. It
+is loaded on first use, so that ``python -m mpifl.sweep.allocation`` (the sbatch templates) runs
+a module the package's import has not loaded already.
 """
 
-from mpifl.sweep.job import MpiRun
-
 __all__ = ["MpiRun"]
+
+
+def __getattr__(name: str):
+    if name == "MpiRun":
+        from mpifl.sweep.job import MpiRun
+
+        return MpiRun
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""The nodes a running SLURM job still has, and the srun shape that fits its ranks onto them.
+"""A running SLURM job as ``scontrol`` shows it (its state, the nodes it still has) and the srun
+shape that fits its ranks onto those nodes.
 
 Jobs are submitted with ``--no-kill`` (templates and sweeps): when one of a job's nodes is lost
 SLURM drops it from the allocation and the job keeps running, and the next launch must ask
@@ -65,16 +66,28 @@ def reshaped(argv: list[str], shape: list[str]) -> list[str]:
     return [argv[0], *shape, *(a for a in argv[1:] if not a.startswith(drop))]
 
 
+def job_state(job_id: str) -> str | None:
+    """JobState of one SLURM job (None when unknown): how the job learns whether SLURM itself
+    is ending it."""
+    return _job_field(job_id, "JobState")
+
+
 def allocated_nodes(job_id: str) -> int | None:
     """NumNodes of a running SLURM job now (None when unknown); less than it started with
     after a node of a ``--no-kill`` job was lost."""
+    nodes = _job_field(job_id, "NumNodes")
+    return int(nodes) if nodes and nodes.isdigit() else None
+
+
+def _job_field(job_id: str, key: str) -> str | None:
+    """One ``key=value`` field of ``scontrol show job -o JOB`` (None when unknown)."""
     try:
         out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
                              text=True, timeout=60, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    m = re.search(r"\bNumNodes=(\d+)", out)
-    return int(m.group(1)) if m else None
+    m = re.search(rf"\b{key}=(\S+)", out)
+    return m.group(1) if m else None
 
 
 if __name__ == "__main__":  # the sbatch templates: `python -m mpifl.sweep.allocation shape`

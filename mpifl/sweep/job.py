@@ -11,7 +11,6 @@ Queued jobs pickled by older versions name ``mpifl.sweep.MpiRun``: the package r
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 
 from mpifl.core.errors import EXIT_BAD_INPUT
 from mpifl.runtime.signals import EXIT_CHECKPOINTED
+from mpifl.sweep.allocation import allocated_nodes, job_state, reshaped, srun_shape
 
 
 @dataclass
@@ -81,24 +81,8 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "PYTHONUNBUFFERED": "1"}
 
 
-def job_state(job_id: str) -> str | None:
-    """JobState of one SLURM job from ``scontrol show job`` (None when unknown): how the job
-    learns whether SLURM itself is ending it."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                             text=True, timeout=60, check=False).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    m = re.search(r"\bJobState=(\S+)", out)
-    return m.group(1) if m else None
-
-
 def _fit_to_allocation(argv: list[str]) -> list[str]:
     """``argv`` (``srun ...``) with its node and task counts fitted to the job's nodes now."""
-    # imported here: the templates run `python -m mpifl.sweep.allocation`, which warns when the
-    # package's import (mpifl.sweep -> job) has loaded that module already
-    from mpifl.sweep.allocation import allocated_nodes, reshaped, srun_shape
-
     job = os.environ.get("SLURM_JOB_ID")
     shape = srun_shape(allocated_nodes(job)) if job and argv[:1] == ["srun"] else []
     if shape:
