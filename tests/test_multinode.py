@@ -2,9 +2,9 @@
 mount and IPC namespace with its own slurmd), and a hung rank detected by run.peer_timeout_s.
 
 A run across three nodes gives the bits of the same run under mpiexec on one node (same world
-size and threads); `down` leaves no namespace, link or daemon behind. A node killed mid-run
-(sbatch template, and sweep job): the job finishes on the two nodes left, resumed from its
-checkpoint, with the uninterrupted run's rounds, clients and accuracies. A SIGSTOPped worker
+size and threads); `down` leaves no namespace, link or daemon behind. A node killed mid-run:
+the batch node of a template job (requeued, resumed exactly on the 3 nodes left of 4), and a
+node of a --no-kill sweep job (finished on the 2 nodes left, on 2 ranks). A SIGSTOPped worker
 ends the whole job within the timeout (status 4), the checkpoint stays good, and the resumed run
 finishes with the uninterrupted run's results; a rank held before MPI_Init ends the job after
 run.init_timeout_s.
@@ -118,54 +118,60 @@ def long_one_node(job) -> Path:
     return out
 
 
-def lose_node(out: Path, node: str = "mpifl-n3") -> None:
-    """Once the run ``out`` has a checkpoint, kill every process of ``node`` (its slurmd, step
-    daemon and rank): the node is gone as if it had crashed."""
+def lose_node(out: Path, env: dict[str, str], node: str | None = None) -> str:
+    """Once the run ``out`` has a checkpoint, kill every process of ``node`` (default: the
+    batch node of the one job in the queue): its slurmd, step daemons and ranks, as if the node
+    had crashed. Returns the node's name."""
     ckpt = out.with_name(out.name + ".ckpt")
     deadline = time.monotonic() + 120
     while not list(ckpt.glob("round-*.h5")):
         assert time.monotonic() < deadline, f"no checkpoint of {out} within 120 s"
         time.sleep(0.05)
+    node = node or run("squeue", "-h", "-o", "%B", **env).stdout.strip()
     pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout
     for pid in pids.split():
         os.kill(int(pid), signal.SIGKILL)
+    return node
 
 
-def assert_finished_on_two_nodes(out: Path, log: str, reference: Path) -> None:
-    """The run lost a node mid-way, resumed from its checkpoint on the 2 nodes left (2 ranks)
-    and ends as the uninterrupted 3-rank run: same selected clients and accuracies, the model
-    to the precision of a change of world size (README "Resuming")."""
-    assert "Node failure on mpifl-n3" in log, log[-3000:]
-    assert "ranks on hosts: 0:mpifl-n1, 1:mpifl-n2, 2:mpifl-n3" in log, log[-3000:]
-    assert re.search(r"resuming after round \d+", log), log[-3000:]
-    assert "ranks on hosts: 0:mpifl-n1, 1:mpifl-n2\n" in log, log[-3000:]
-    with h5py.File(out) as a, h5py.File(reference) as b:
-        assert a.attrs["status"] == "complete" and a.attrs["world_size"] == 2
-        for key in ("rounds/selected", "rounds/round", "eval/client_accuracy"):
-            np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
-        np.testing.assert_allclose(a["model/global"][()], b["model/global"][()], atol=1e-5)
+def ranks_on_hosts(log: str) -> list[list[str]]:
+    """The hosts of every launch in a job log, rank by rank."""
+    return [[h.split(":")[1] for h in line.split(", ")]
+            for line in re.findall(r"ranks on hosts: (.*)", log)]
 
 
-def test_a_lost_node_and_the_template_job_finishes_on_the_others(job, long_one_node, tmp_path):
-    with cluster(3) as env:
+def test_a_lost_batch_node_and_the_requeued_template_job_resumes_exactly(job, long_one_node,
+                                                                         tmp_path):
+    """The default: the node that runs the batch script (and rank 0) dies; the job ends
+    NODE_FAIL, --requeue starts it again on the three nodes left, and it resumes from its
+    checkpoint to the uninterrupted run's bits (same world size)."""
+    with cluster(4) as env:
         out, log = tmp_path / "lost.h5", tmp_path / "lost.out"
-        sbatch = subprocess.Popen(
-            ["sbatch", "--wait", "-N", "3", "--ntasks-per-node=1", "--output", str(log),
-             str(ROOT / "slurm" / "mpifl-run.sbatch"), str(job), str(out), *LOST_ROUNDS],
-            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
-        lose_node(out)
-        lost = time.monotonic()
-        text, _ = sbatch.communicate(timeout=240)
-        print(f"lost node to finished job: {time.monotonic() - lost:.0f} s")
-        assert sbatch.returncode == 0, text + log.read_text()[-3000:]
+        job_id = run("sbatch", "--parsable", "-N", "3", "--ntasks-per-node=1", "--output", log,
+                     ROOT / "slurm" / "mpifl-run.sbatch", job, out, *LOST_ROUNDS,
+                     **env).stdout.strip()
+        lost = lose_node(out, env)
+        deadline = time.monotonic() + 240
+        while run("squeue", "-h", "-j", job_id, check=False, **env).stdout.strip():
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
         text = log.read_text()
-        assert ("mpifl job: a node was lost; launching on the remaining nodes "
-                "(--nodes=2 --ntasks=2 --overlap)") in text, text[-3000:]
-        assert_finished_on_two_nodes(out, text, long_one_node)
+        assert f"mpifl job {job_id} (restart 1)" in text, text[-3000:]
+        first, *_, last = ranks_on_hosts(text)
+        assert first[0] == lost and len(last) == 3 and lost not in last, (first, last)
+        assert re.search(r"resuming after round \d+", text), text[-3000:]
+        with h5py.File(out) as a, h5py.File(long_one_node) as b:
+            assert a.attrs["status"] == "complete" and a.attrs["world_size"] == 3
+            for key in ("model/global", "rounds/selected", "rounds/round",
+                        "eval/client_accuracy"):
+                np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
 
 
-def test_a_lost_node_and_the_sweep_job_finishes_on_the_others(job, long_one_node, tmp_path):
+def test_a_lost_node_and_the_no_kill_sweep_job_finishes_on_the_others(job, long_one_node,
+                                                                       tmp_path):
+    """``--no-kill`` (``[slurm] additional``): the third node dies, the job goes on on the two
+    left, and its next launch resumes there on 2 ranks: the uninterrupted 3-rank run's rounds,
+    clients and accuracies, the model to the precision of a change of world size."""
     sweep = tmp_path / "sweep-lost.toml"
     sweep.write_text(f"""
 [sweep]
@@ -179,6 +185,7 @@ ranks = 3
 [slurm]
 nodes = 3
 time_min = 10
+additional = {{no_kill = true}}
 """)
     with cluster(3) as env:
         folder = tmp_path / "sweep"
@@ -191,12 +198,21 @@ time_min = 10
         while not list(runs.glob("*.h5")) and time.monotonic() < deadline:
             time.sleep(0.05)
         (out,) = [p for p in runs.glob("*.h5")]
-        lose_node(out)
+        lose_node(out, env, "mpifl-n3")
         text, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, text[-3000:]
         log = "".join(p.read_text() for p in sorted((folder / "logs").glob("*.out")))
+        assert "Node failure on mpifl-n3" in log, log[-3000:]
         assert "nodes (a node was lost): launching 2 ranks on them" in log, log[-3000:]
-        assert_finished_on_two_nodes(out, log, long_one_node)
+        assert re.search(r"resuming after round \d+", log), log[-3000:]
+        hosts = ranks_on_hosts(log)
+        assert hosts[0] == ["mpifl-n1", "mpifl-n2", "mpifl-n3"], hosts
+        assert hosts[-1] == ["mpifl-n1", "mpifl-n2"], hosts
+        with h5py.File(out) as a, h5py.File(long_one_node) as b:
+            assert a.attrs["status"] == "complete" and a.attrs["world_size"] == 2
+            for key in ("rounds/selected", "rounds/round", "eval/client_accuracy"):
+                np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
+            np.testing.assert_allclose(a["model/global"][()], b["model/global"][()], atol=1e-5)
         status = json.loads((folder / "index.json").read_text())
         assert [r["status"] for r in status["runs"].values()] == ["complete"], status
 

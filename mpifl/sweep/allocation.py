@@ -1,9 +1,10 @@
 """A running SLURM job as ``scontrol`` shows it (its state, the nodes it still has) and the srun
 shape that fits its ranks onto those nodes.
 
-Jobs are submitted with ``--no-kill`` (templates and sweeps): when one of a job's nodes is lost
-SLURM drops it from the allocation and the job keeps running, and the next launch must ask
-srun for the nodes that remain (an srun that asks for the original count is refused).
+In a job submitted with ``--no-kill`` SLURM drops a lost node from the allocation and the job
+keeps running, and the next launch must ask srun for the nodes that remain (an srun that asks
+for the original count is refused). Without it (the default) the job ends NODE_FAIL and is
+requeued, and these functions change nothing.
 ``python -m mpifl.sweep.allocation shape`` prints those srun options for the sbatch templates;
 :class:`mpifl.sweep.job.MpiRun` calls :func:`srun_shape` itself.
 """

@@ -35,9 +35,9 @@ class MpiRun:
     A launch that fails otherwise (status not 0, 2 or 3; e.g. 4, a rank that stopped answering,
     or a failed MPI_Init) is tried again, up to ``launches`` times in all, while the job is
     still running: ``--resume`` continues where it stopped.
-    Multi-node jobs are submitted with ``--no-kill``: a lost node leaves the job running on
-    the others, and the next launch starts as many ranks per node on the nodes that remain
-    (:func:`srun_shape`), fewer ranks in all.
+    In a job submitted with ``--no-kill`` (``[slurm] additional = {no_kill = true}``) a lost
+    node leaves the job running on the others, and the next launch starts as many ranks per
+    node on the nodes that remain (:func:`srun_shape`), fewer ranks in all.
 
     Returns:
         ``{"id", "status": "complete" | "checkpointed", "results"}``.

@@ -62,8 +62,9 @@ class SlurmLauncher(Launcher):
     def executor(self):
         """A submitit SlurmExecutor for the sweep's jobs: ``ranks`` tasks (each one MPI rank,
         started by the job's own ``srun``), ``threads`` CPUs per task, USR1 before the time
-        limit, requeueable, kept running on the remaining nodes when one is lost
-        (``--no-kill``), at most ``array_parallelism`` array jobs at once.
+        limit, requeueable (also after a lost node), at most ``array_parallelism`` array jobs at
+        once. ``additional = {no_kill = true}`` keeps a job that lost a node running on the
+        others, where :class:`MpiRun` launches again on fewer ranks.
 
         Raises:
             MpiflError: no SLURM commands on this machine.
@@ -80,10 +81,8 @@ class SlurmLauncher(Launcher):
                   "time": s.time_min, "use_srun": False,
                   "array_parallelism": s.array_parallelism,
                   "signal_delay_s": s.signal_delay_s, "stderr_to_stdout": True,
-                  # --no-kill: a lost node leaves the job running on the others, where
-                  # MpiRun's next launch resumes (a lost batch node still ends it: requeue)
                   "additional_parameters": {"signal": f"USR1@{s.signal_delay_s}",
-                                            "requeue": True, "no_kill": True, **s.additional}}
+                                            "requeue": True, **s.additional}}
         for key in ("partition", "account", "qos", "constraint", "gpus_per_node", "setup"):
             if getattr(s, key) is not None:
                 params[key] = getattr(s, key)
