@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mpifl import __version__
 from mpifl.runtime.allocator import keep_large_blocks
-from mpifl.core.errors import EXIT_BAD_INPUT, EXIT_PEER_LOST, MpiflError, PeerLost
+from mpifl.core.errors import MpiflError
 from mpifl.sweep.cli import add_sweep_parser
 from mpifl.sweep.report import report_sweep
 
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     except MpiflError as exc:
         if _env_rank() == 0:
             print("mpifl: error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
-        return EXIT_PEER_LOST if isinstance(exc, PeerLost) else EXIT_BAD_INPUT
+        return exc.exit_status
     except KeyboardInterrupt:
         print("mpifl: interrupted", file=sys.stderr)
         return 130

@@ -1,8 +1,8 @@
 """Errors that mean "the user (or the machine) got something wrong", not "mpifl has a bug".
 
 The command line catches :class:`MpiflError`, prints its message on one line and exits with
-status 2 (:data:`EXIT_PEER_LOST` for :class:`PeerLost`), never a traceback. Anything else is a
-bug and keeps its traceback.
+the error's ``exit_status`` (2; :data:`EXIT_PEER_LOST` for :class:`PeerLost`), never a
+traceback. Anything else is a bug and keeps its traceback.
 """
 
 #: Exit status of a command stopped by a :class:`MpiflError`: bad input, not worth retrying.
@@ -16,6 +16,8 @@ EXIT_PEER_LOST = 4
 
 class MpiflError(Exception):
     """Base class: a one-line, user-facing problem (exit status 2)."""
+
+    exit_status = EXIT_BAD_INPUT
 
 
 class ConfigError(MpiflError):
@@ -34,3 +36,5 @@ class PeerLost(MpiflError):
     """Another MPI rank did not answer within ``run.peer_timeout_s`` (it hangs, or its node is
     lost): the job is ended, with status :data:`EXIT_PEER_LOST`, rather than left waiting
     forever."""
+
+    exit_status = EXIT_PEER_LOST

@@ -22,7 +22,7 @@ from typing import Callable, TypeVar
 import torch
 
 from mpifl.aggregators.shards import ShardGroup, shard_bounds
-from mpifl.core.errors import EXIT_PEER_LOST, ConfigError, MpiflError, OutputError, PeerLost
+from mpifl.core.errors import EXIT_BAD_INPUT, ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
 from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
                                        make_trainer, meta_step_for, trainer_columns,
@@ -41,9 +41,9 @@ from mpifl.store.results import ResultsWriter, preflight, read_results
 log = logging.getLogger("mpifl")
 T = TypeVar("T")
 
-#: Exit status of every rank when a rank failed (the same as a user error: one line, status 2;
-#: EXIT_PEER_LOST, 4, when a rank stopped answering).
-EXIT_FAILED = 2
+#: Exit status of every rank when a rank failed: that of a user error (one line, status 2),
+#: unless the error says otherwise (:class:`PeerLost`: 4).
+EXIT_FAILED = EXIT_BAD_INPUT
 
 
 @dataclass
@@ -366,7 +366,7 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
     if not isinstance(exc, (MpiflError, KeyboardInterrupt)):
         log.debug("rank %d failed", rank, exc_info=True)
     in_shards = shard is not None and shard.busy  # the other shards wait in a collective
-    code = EXIT_PEER_LOST if isinstance(exc, PeerLost) else EXIT_FAILED
+    code = exc.exit_status if isinstance(exc, MpiflError) else EXIT_FAILED
     if rank == 0 and not transport.busy and not in_shards and isinstance(exc, Exception):
         transport.stop(code)
         if not isinstance(exc, MpiflError):

@@ -119,16 +119,15 @@ def world(init_timeout_s: float = 0.0):
         import mpi4py  # noqa: F401  (installed? MPI_Init comes with mpi4py.MPI)
     except ImportError:
         return None
-    if init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules:
-        # faulthandler's watchdog is a C thread: it fires inside MPI_Init, where a Python
-        # signal handler or thread would wait for the import to give the interpreter back
+    watch = init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules
+    if watch:  # faulthandler's watchdog is a C thread: it fires inside MPI_Init, where a
+        # Python signal handler or thread would wait for the import to give the interpreter back
         faulthandler.dump_traceback_later(init_timeout_s, exit=True)
-        try:
-            from mpi4py import MPI
-        finally:
+    try:
+        from mpi4py import MPI
+    finally:
+        if watch:
             faulthandler.cancel_dump_traceback_later()
-    from mpi4py import MPI
-
     return MPI.COMM_WORLD
 
 
