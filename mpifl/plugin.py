@@ -1,5 +1,5 @@
 """The public API for extending mpifl without forking it: your own aggregation rules, models,
-data sets and partitions, registered by decorators when your module is imported.
+losses, data sets and partitions, registered by decorators when your module is imported.
 
 Name your module in the job file and mpifl imports it on every rank before it validates the
 config (or publish it under the ``mpifl.plugins`` entry-point group)::
@@ -13,13 +13,16 @@ config (or publish it under the ``mpifl.plugins`` entry-point group)::
     [trimmed_mean]                     # the rule's Params, validated like a built-in table
     trim = 0.2
 
-The four decorators (README "Plugins" walks through examples/plugin/):
+The decorators (README "Plugins" walks through examples/plugin/ and examples/models/):
 
 - :func:`register_rule` on an :class:`Aggregator` subclass with a nested ``Params``
   (:class:`Params`): ``aggregate(r: RoundUpdates) -> step`` (d,), ``w <- w - step``.
 - :func:`register_model` on ``factory(input_shape, num_classes, *, seed, **params) -> nn.Module``;
   ``[model.params]`` are its keywords. mpifl seeds torch's RNG around the call (weights depend on
-  the seed only) and checks the vmap contract (:func:`mpifl.models.check_model`).
+  the seed only) and checks the model (:func:`mpifl.models.check_model`); BatchNorm and Dropout
+  are trained by the per-client loop (:mod:`mpifl.clients.select`).
+- :func:`register_loss` on a :class:`Loss` (``[model] loss = "<name>"``): the per-sample loss,
+  the task (classification or regression) and the predicted labels.
 - :func:`register_dataset` on ``loader(*, seed, data_root, **params) -> DataPool | FederatedData``;
   ``[data.params]`` are its keywords. A :class:`DataPool` is split by ``data.partition``.
 - :func:`register_partition` on ``partition(labels, num_clients, rng, **context) -> list of K
@@ -31,10 +34,23 @@ from mpifl.aggregators.base import register as register_rule
 from mpifl.core.params import Params
 from mpifl.data.federated import FederatedData
 from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, DataPool
+from mpifl.models.losses import LOSSES, Loss
 from mpifl.models.zoo import MODEL_FACTORIES
 
-__all__ = ["Aggregator", "DataPool", "FederatedData", "Params", "RoundUpdates", "register_dataset",
-           "register_model", "register_partition", "register_rule", "RULES"]
+__all__ = ["Aggregator", "DataPool", "FederatedData", "Loss", "Params", "RoundUpdates",
+           "register_dataset", "register_loss", "register_model", "register_partition",
+           "register_rule", "RULES"]
+
+
+def register_loss(name: str):
+    """Register a :class:`Loss` as ``model.loss = "<name>"``: ``register_loss("name")(loss)``
+    or as a decorator on a function ``fn(out, y) -> (batch,)`` per-sample losses (then a
+    classification loss with argmax predictions).
+
+    Raises:
+        ValueError: the name is taken by another loss, empty, or contains ':'.
+    """
+    return LOSSES.register(name)
 
 
 def register_model(name: str):

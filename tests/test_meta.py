@@ -16,7 +16,7 @@ from mpifl.core.errors import ConfigError
 from mpifl.clients.meta import MetaStep, meta_indices
 from mpifl.experiment.assemble import Parts, meta_step_for, uses_meta_step
 from mpifl.core.layout import ParamLayout
-from mpifl.models import build_model
+from mpifl.models import build_model, get_loss, model_traits
 
 
 def make_fed(sizes=(30, 50, 20), n_test=5, features=6, classes=3, sensitive=None, seed=0):
@@ -113,7 +113,7 @@ def test_from_config_and_bad_parameters():
     fed = make_fed()
     model, layout = model_of(fed)
     cfg = load_config(None, ["run.seed=5", "fedmeta.meta_size=12", "fedmeta.eta_meta=0.05"])
-    meta = meta_step_for(cfg, Parts(fed, model, layout, layout.flatten_module(model)))
+    meta = meta_step_for(cfg, Parts(fed, model, layout, layout.flatten_module(model), get_loss("cross_entropy"), model_traits(model, fed.input_shape)))
     assert meta.meta_size == 12 and meta.eta_meta == 0.05 and meta.meta_sampling == "iid"
     assert np.array_equal(meta.indices, meta_indices(fed, seed=5, size=12))
     for bad in (dict(eta_meta=0.0), dict(eta_meta=float("nan")), dict(meta_size=0),

@@ -121,7 +121,7 @@ def test_seeded_init_is_deterministic_and_leaves_global_rng_alone(name):
     [
         (("resnet", (10,), 2), {}),
         (("mlp", (10,), 2), {"output": "probs"}),
-        (("mlp", (10,), 1), {}),
+        (("mlp", (10,), 0), {}),
         (("mlp", (10,), 2), {"hidden": (0,)}),
         (("cnn_mnist", (784,), 10), {}),
         (("cnn_cifar", (3, 8, 8), 10), {}),

@@ -175,17 +175,19 @@ def test_entry_point_plugins_load_and_broken_ones_are_skipped(tmp_path):
 
 
 class _WithBatchNorm(nn.Module):
-    def __init__(self):
+    def __init__(self, **bn):
         super().__init__()
-        self.fc, self.bn = nn.Linear(4, 3), nn.BatchNorm1d(3)
+        self.fc, self.bn = nn.Linear(4, 3), nn.BatchNorm1d(3, **bn)
 
     def forward(self, x):
         return self.bn(self.fc(x))
 
 
 @pytest.mark.parametrize("factory,message", [
-    (lambda s, c, *, seed: _WithBatchNorm(), "has a buffer 'bn.running_mean'"),
-    (lambda s, c, *, seed: nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5)), "'1' is dropout"),
+    (lambda s, c, *, seed: _WithBatchNorm(track_running_stats=False),
+     "'bn' is BatchNorm without running statistics"),
+    (lambda s, c, *, seed: _WithBatchNorm().to(torch.float64),
+     "parameter 'fc.weight' is torch.float64"),
     (lambda s, c, *, seed: nn.Linear(4, 3).double(), "parameter 'weight' is torch.float64"),
     (lambda s, c, *, seed: nn.Linear(4, 5), r"output shape \(2, 5\) for a batch of 2"),
     (lambda s, c, *, seed: nn.ReLU(), "has no parameters to train"),

@@ -3,7 +3,7 @@ Aggregation and Controllable Meta Updating", NeurIPS 2019 FL workshop, arXiv:191
 ALGORITHMS.md §6): after every aggregation the server takes one full-batch gradient step on a small
 meta set it holds,
 
-    w^{t+1} <- w^{t+1} - eta_meta * ∇L(w^{t+1}; D_meta)       (L = mean cross-entropy),
+    w^{t+1} <- w^{t+1} - eta_meta * ∇L(w^{t+1}; D_meta)       (L = the mean of [model] loss, cross-entropy by default),
 
 which states the target distribution explicitly. The meta set is a seeded sample of the
 training pool (the union of the clients' train splits): IID (default), or group-balanced
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
 from torch import Tensor, nn
 from torch.func import functional_call, grad
 
@@ -29,6 +29,7 @@ from mpifl.aggregators.fedmeta import check_meta_params
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import META_TAG
+from mpifl.models.losses import Loss, get_loss
 
 if TYPE_CHECKING:  # pragma: no cover
     from mpifl.data.federated import FederatedData
@@ -76,7 +77,7 @@ def meta_indices(fed: FederatedData, *, seed: int, size: int, sampling: str = "i
 
 
 class MetaStep:
-    """The server's meta step ``w -> w - eta_meta * ∇L(w; D_meta)`` (full batch, mean CE).
+    """The server's meta step ``w -> w - eta_meta * ∇L(w; D_meta)`` (full batch, mean loss).
 
     Args:
         fed: the federated data; the meta set is drawn from its training pool.
@@ -87,6 +88,8 @@ class MetaStep:
         eta_meta: meta step size (> 0).
         meta_sampling: ``"iid"`` or ``"group_balanced"`` (see :func:`meta_indices`).
         device: where the meta samples live and the step is computed.
+        loss: the run's :class:`mpifl.models.losses.Loss` (``[model] loss``; default
+            cross-entropy).
 
     Attributes:
         indices: (meta_size,) int64 sorted indices of the meta set into ``fed.x``.
@@ -99,22 +102,23 @@ class MetaStep:
 
     def __init__(self, fed: FederatedData, model: nn.Module, layout: ParamLayout, *, seed: int,
                  meta_size: int, eta_meta: float, meta_sampling: str = "iid",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", loss: Loss | None = None):
         self.eta_meta, self.meta_size, self.meta_sampling = check_meta_params(
             eta_meta, meta_size, meta_sampling)
         if ParamLayout.from_module(model) != layout:
             raise ValueError("the layout does not match the model's named_parameters()")
         self.model, self.layout = model, layout
+        self.loss_fn = get_loss("cross_entropy") if loss is None else loss
         self.device = torch.device(device)
         self.indices = meta_indices(fed, seed=seed, size=self.meta_size, sampling=meta_sampling)
         self.x = torch.as_tensor(fed.x[self.indices], dtype=torch.float32, device=self.device)
-        self.y = torch.as_tensor(fed.y[self.indices], dtype=torch.int64, device=self.device)
+        self.y = torch.as_tensor(fed.y[self.indices], device=self.device)
         self._grad = grad(self.loss)
 
     def loss(self, w: Tensor) -> Tensor:
-        """Mean cross-entropy of w ``(d,)`` on the meta set (a 0-d tensor)."""
+        """Mean loss of w ``(d,)`` on the meta set (a 0-d tensor)."""
         out = functional_call(self.model, self.layout.unflatten(w), (self.x.to(w.dtype),))
-        return F.cross_entropy(out, self.y)
+        return self.loss_fn.per_sample(out, self.y).mean()
 
     def gradient(self, w: Tensor) -> Tensor:
         """``∇L(w; D_meta)``, ``(d,)`` in w's dtype, on ``device``."""

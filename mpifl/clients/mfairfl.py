@@ -46,7 +46,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -213,7 +212,7 @@ class LagrangianTrainer(VmapTrainer):
                         wb: Tensor) -> Tensor:
         """One client's minibatch Lagrangian: mean CE + ``sum_a λ_a c_a`` (gaps on the batch)."""
         out = functional_call(self.model, params, (xb,))
-        ce = F.cross_entropy(out, yb, reduction="none")
+        ce = self.loss.per_sample(out, yb)
         loss = (ce * wb).sum() / wb.sum().clamp(min=1.0)
         c = fairness.constraint_values(self.notion, self._positive_probability(out), yb, sb,
                                        self.num_groups, self.eps, losses=ce, weight=wb)
@@ -231,7 +230,7 @@ class LagrangianTrainer(VmapTrainer):
             sums.index_add_(0, cell, torch.stack(
                 [torch.ones_like(yb, dtype=torch.float64),
                  self._positive_probability(out).double(),
-                 F.cross_entropy(out, yb, reduction="none").double()], dim=1))
+                 self.loss.per_sample(out, yb).double()], dim=1))
         sums = sums.view(n, g, 2, 3)
         count, prob_sum, loss_sum = sums.unbind(dim=3)
         ce = loss_sum.sum(dim=(1, 2)) / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from mpifl.clients.stacked import stacked_ce_grad, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
+from mpifl.models.losses import Loss, get_loss
 
 # Rough float32 copies of d per client alive during one step: parameters, gradient, momentum,
 # the masked step, and backward temporaries (weight gradients before they are returned).
@@ -92,7 +92,8 @@ class VmapTrainer:
         layout: ``ParamLayout.from_module(model)``.
         x: ``(N, *input_shape)`` float32, the whole sample store (any device; only the samples
             of the clients being processed are moved to ``device``).
-        y: ``(N,)`` int64 labels.
+        y: ``(N,)`` int64 labels, or ``(N,)`` / ``(N, T)`` float32 targets for a regression
+            ``loss``.
         epochs: E >= 1 local epochs.
         batch_size: B >= 0 samples per minibatch; 0 means one full batch per epoch.
         momentum, weight_decay: as in ``torch.optim.SGD`` (dampening 0, no Nesterov); the
@@ -115,6 +116,8 @@ class VmapTrainer:
         device: where the computation runs (``"cpu"``, ``"cuda"``, ...).
         order_tag: keys :func:`batch_order` with this tag (None: training's own stream); the
             trainer of ``run.adapt_epochs`` uses :data:`mpifl.core.rng.ADAPT_TAG`.
+        loss: the :class:`mpifl.models.losses.Loss` of training and evaluation (``[model]
+            loss``; default cross-entropy). Accuracies are NaN for a regression loss.
 
     Raises:
         ValueError: inconsistent shapes, a layout not matching the model, buffers in the model,
@@ -139,9 +142,11 @@ class VmapTrainer:
         report_accuracy: bool = False,
         pretrain_losses: bool = True,
         order_tag: int | None = None,
+        loss: Loss | None = None,
     ):
-        _check_model(model, layout)
-        if x.shape[0] != y.shape[0] or y.dim() != 1:
+        self._check_model(model, layout)
+        self.loss = get_loss("cross_entropy") if loss is None else loss
+        if x.shape[0] != y.shape[0] or (y.dim() != 1 and self.loss.classification):
             raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} do not match")
         if (epochs < 1 or batch_size < 0 or momentum < 0 or weight_decay < 0
                 or memory_budget_mb <= 0 or prox_mu < 0):
@@ -164,6 +169,7 @@ class VmapTrainer:
         self._step_grad = vmap(grad(self._minibatch_loss))
         self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
         forward = (stacked_forward(model) if self._plain_steps
+                   and self.loss is get_loss("cross_entropy")
                    and type(self)._minibatch_loss is VmapTrainer._minibatch_loss
                    and not self._has_extras else None)
         if forward is not None:  # the plain MLP family: batched matmuls, one backward (faster)
@@ -171,6 +177,10 @@ class VmapTrainer:
             self._step_grad_value = functools.partial(stacked_ce_grad, forward, with_value=True)
 
     # ------------------------------------------------------------------ public API
+
+    def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
+        """The vmap contract: the layout is the model's parameters, and no buffers."""
+        _check_model(model, layout)
 
     @classmethod
     def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
@@ -217,7 +227,7 @@ class VmapTrainer:
 
         Returns:
             ``updates``: ``(m, d)`` float32 on ``device``, ``u_k = w - w_k``;
-            ``losses``: ``(m,)`` float32 on ``device``, the mean cross-entropy of w on each
+            ``losses``: ``(m,)`` float32 on ``device``, the mean loss (``[model] loss``) of w on each
             client's training samples, measured before training (``l_k`` of ALGORITHMS.md §0);
             with ``pretrain_losses = False`` (and no ``report_accuracy``) the first epoch's
             mean training loss instead (see the class docstring).
@@ -269,7 +279,7 @@ class VmapTrainer:
 
     @torch.no_grad()
     def evaluate(self, w: Tensor, sample_idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Accuracy and mean cross-entropy of the global model w on each client's samples.
+        """Accuracy and mean loss of the global model w on each client's samples.
 
         One batched forward over the concatenated samples (in row chunks that fit the memory
         budget) and segment sums; no per-client loop of forwards.
@@ -349,7 +359,7 @@ class VmapTrainer:
     @torch.no_grad()
     def evaluate_each(self, W: Tensor, sample_idx: Sequence[np.ndarray]
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Accuracy and mean cross-entropy of client i's own parameters ``W[i]`` on its samples.
+        """Accuracy and mean loss of client i's own parameters ``W[i]`` on its samples.
 
         Batched over clients: clients (sorted by sample count, so that a chunk holds similar
         sizes) are cut into chunks that fit the memory budget; a chunk's samples are padded to
@@ -395,17 +405,20 @@ class VmapTrainer:
                 idx, keep = rows[:, lo:lo + block], mask[:, lo:lo + block]
                 xb, yb = self._gather(idx.reshape(-1))
                 xb = xb.view(c, idx.shape[1], *xb.shape[1:])
-                yb = yb.view(c, idx.shape[1])
+                yb = yb.view(c, idx.shape[1], *yb.shape[1:])
                 out = forward(params, xb)
-                ce = F.cross_entropy(out.flatten(0, 1), yb.reshape(-1), reduction="none")
+                flat_out, flat_y = out.flatten(0, 1), yb.flatten(0, 1)
+                ce = self.loss.per_sample(flat_out, flat_y)
                 keep_t = torch.as_tensor(keep, device=self.device)
                 ce_c += torch.where(keep_t, ce.view(c, -1).double(), 0.0).sum(1)
-                hit_c += ((out.argmax(dim=-1) == yb) & keep_t).double().sum(1)
+                hit = (self.loss.labels(flat_out) == flat_y).view(c, -1)
+                hit_c += (hit & keep_t).double().sum(1)
             ce_sum[chunk] = ce_c.cpu().numpy()
             hits[chunk] = hit_c.cpu().numpy()
         with np.errstate(invalid="ignore", divide="ignore"):
             count = sizes.astype(np.float64)
-            return hits / count, ce_sum / count
+            acc = hits / count if self.loss.classification else np.full(n, math.nan)
+            return acc, ce_sum / count
 
     def _eval_chunks(self, sizes: np.ndarray, per_client: int, per_row: int) -> list[np.ndarray]:
         """Clients with samples, largest first, in chunks whose parameter rows and padded
@@ -504,10 +517,9 @@ class VmapTrainer:
         return ()
 
     def _minibatch_loss(self, params: dict[str, Tensor], xb: Tensor, yb: Tensor, wb: Tensor) -> Tensor:
-        """Mean cross-entropy over the real samples of one client's padded minibatch."""
+        """Mean loss over the real samples of one client's padded minibatch."""
         out = functional_call(self.model, params, (xb,))
-        ce = F.cross_entropy(out, yb, reduction="none")
-        return (ce * wb).sum() / wb.sum().clamp(min=1.0)
+        return (self.loss.per_sample(out, yb) * wb).sum() / wb.sum().clamp(min=1.0)
 
     def _train_chunk(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
                      sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
@@ -557,7 +569,7 @@ class VmapTrainer:
             extras = self._batch_extras(sample_rows[:, t, :b]) if self._has_extras else ()
             flat_rt = rt.reshape(-1)  # index_select: one contiguous gather, not advanced indexing
             batch = (xs.index_select(0, flat_rt).view(*rt.shape, *xs.shape[1:]),
-                     ys.index_select(0, flat_rt).view(rt.shape), *extras, weights[:, t, :b])
+                     ys.index_select(0, flat_rt).view(*rt.shape, *ys.shape[1:]), *extras, weights[:, t, :b])
             if loss_out is None:
                 grads = list(self._step_grad(params, *batch).values())
             else:
@@ -597,7 +609,8 @@ class VmapTrainer:
 
     def _client_stats(self, w: Tensor, sample_idx: Sequence[np.ndarray],
                       groups: tuple[Tensor, int] | None = None):
-        """Per-client mean CE and accuracy of w, float64 ``(n,)`` each, NaN where empty; with
+        """Per-client mean loss and accuracy of w, float64 ``(n,)`` each, NaN where empty (accuracy
+        NaN for a regression loss); with
         ``groups = (sensitive (N,) int64, G)`` also the (n, G, 2, 3) group counts of
         :meth:`evaluate_groups`."""
         sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
@@ -607,8 +620,8 @@ class VmapTrainer:
         cells = torch.zeros(n * (groups[1] if groups else 0) * 2, 3, dtype=torch.float64,
                             device=self.device)
         for rows, seg, out, yb in self._forward_blocks(w, sample_idx):
-            ce_sum.index_add_(0, seg, F.cross_entropy(out, yb, reduction="none").double())
-            pred = out.argmax(dim=-1)
+            ce_sum.index_add_(0, seg, self.loss.per_sample(out, yb).double())
+            pred = self.loss.labels(out)
             hits.index_add_(0, seg, (pred == yb).double())
             if groups is not None:  # cell = (client, group, true label)
                 sens = groups[0][torch.as_tensor(rows, device=groups[0].device)]
@@ -616,9 +629,10 @@ class VmapTrainer:
                 cells.index_add_(0, cell, torch.stack(
                     [torch.ones_like(pred), pred == 1, pred != yb], dim=1).double())
         count = torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
+        acc = hits / count if self.loss.classification else torch.full_like(hits, math.nan)
         if groups is not None:
-            return ce_sum / count, hits / count, cells.view(n, groups[1], 2, 3)
-        return ce_sum / count, hits / count
+            return ce_sum / count, acc, cells.view(n, groups[1], 2, 3)
+        return ce_sum / count, acc
 
     def _forward_blocks(self, w: Tensor, sample_idx: Sequence[np.ndarray]):
         """One forward of w over the clients' concatenated samples, in row blocks that fit the
@@ -655,7 +669,8 @@ def _check_model(model: nn.Module, layout: ParamLayout) -> None:
     if ParamLayout.from_module(model) != layout:
         raise ValueError("the layout does not match the model's named_parameters()")
     if any(True for _ in model.buffers()):
-        raise ValueError("models with buffers (e.g. BatchNorm) cannot be trained with vmap here")
+        raise ValueError("models with buffers (e.g. BatchNorm) cannot be trained with vmap; "
+                         "use client.trainer = 'loop'")
 
 
 def _activation_numel(model: nn.Module, input_shape: tuple[int, ...]) -> int:

@@ -40,7 +40,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
@@ -267,9 +266,9 @@ class UGATrainer(VmapTrainer):
         return torch.cat([p.reshape(m, -1) for p in params], dim=1)
 
     def _block_loss_sum(self, flat: Tensor, xb: Tensor, yb: Tensor, wb: Tensor) -> Tensor:
-        """Sum of one client's per-sample cross-entropies over the real rows of a block."""
+        """Sum of one client's per-sample losses over the real rows of a block."""
         out = functional_call(self.model, self.layout.unflatten(flat), (xb,))
-        return (F.cross_entropy(out, yb, reduction="none") * wb).sum()
+        return (self.loss.per_sample(out, yb) * wb).sum()
 
     def _full_grad(self, flat: Tensor, xs: Tensor, ys: Tensor, full_rows: Tensor,
                    full_w: Tensor, count: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """The parameter layout: where every parameter and layer of a model lives in the flat float32
-vector ``w`` (ALGORITHMS.md §0: the concatenation of ``model.named_parameters()`` in order)."""
+vector ``w`` (ALGORITHMS.md §0: the concatenation of ``model.named_parameters()`` in order, each
+module's floating-point buffers, e.g. BatchNorm's running statistics, after its parameters)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,32 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Layer", "ParamLayout"]
+__all__ = ["Layer", "ParamLayout", "buffer_names", "model_state"]
+
+
+def model_state(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The tensors that make up w: per module (``named_modules()`` order), its own parameters,
+    then its persistent floating-point buffers. Shared parameters appear once, as in
+    ``named_parameters()``."""
+    out: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append((dot + name, p))
+        for name, b in module.named_buffers(recurse=False):
+            if (b is not None and b.is_floating_point()
+                    and name not in module._non_persistent_buffers_set):
+                out.append((dot + name, b))
+    return out
+
+
+def buffer_names(model: nn.Module) -> list[str]:
+    """Names of the entries of :func:`model_state` that are buffers (empty: parameters only)."""
+    params = {n for n, _ in model.named_parameters()}
+    return [n for n, _ in model_state(model) if n not in params]
 
 
 @dataclass(frozen=True)
@@ -51,9 +77,13 @@ class ParamLayout:
 
     @classmethod
     def from_module(cls, model: nn.Module) -> ParamLayout:
-        """Layout of ``model.named_parameters()``."""
-        named = list(model.named_parameters())
+        """Layout of the model's state: ``model.named_parameters()`` in order, each module's
+        persistent floating-point buffers (BatchNorm's ``running_mean`` and ``running_var``)
+        right after its own parameters. Integer buffers (``num_batches_tracked``) are not part
+        of w. For a model without buffers this is exactly ``named_parameters()``."""
+        named = model_state(model)
         return cls([n for n, _ in named], [p.shape for _, p in named])
+
 
     def _group_layers(self) -> list[Layer]:
         # named_parameters() yields each module's own parameters consecutively, so grouping
@@ -103,8 +133,9 @@ class ParamLayout:
         return torch.cat(pieces, dim=-1).to(torch.float32)
 
     def flatten_module(self, model: nn.Module) -> Tensor:
-        """w of ``model`` as a detached float32 ``(d,)`` tensor on the model's device."""
-        return self.flatten(dict(model.named_parameters())).detach()
+        """w of ``model`` (parameters and float buffers) as a detached float32 ``(d,)`` tensor
+        on the model's device."""
+        return self.flatten(dict(model_state(model))).detach()
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Split ``flat`` of shape ``(..., d)`` into name -> view of shape ``(..., *shape)``.

@@ -14,6 +14,7 @@ adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.t
 client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
 FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
 client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
+random layers (dropout)    ``[seed, round, k, step, LAYER_TAG(, t)]``  clients.loop
 FedFV's random order       ``[seed, round]`` (no tag)                  aggregators.fedfv
 bench simulate's clients   ``[seed, round, BENCH_SIMULATE_TAG]``       bench.simulate
 =========================  ==========================================  ==========================
@@ -31,3 +32,6 @@ BENCH_SIMULATE_TAG = 0x51B
 #: run.adapt_epochs: the minibatch order of the local adaptation before an evaluation (round =
 #: rounds completed), a stream apart from training's so the option changes no trained model.
 ADAPT_TAG = 0x6D706164
+#: Random layers of a model (Dropout, ``F.dropout``) in the per-client loop trainer: torch's
+#: generator is reseeded at every local step from this key (+ the order tag t of adaptation).
+LAYER_TAG = 0x6D70666C

@@ -49,8 +49,10 @@ class FederatedData:
     Attributes:
         name: dataset name (one of :data:`DATASETS`).
         x: (N, *input_shape) float32, every sample of the pool, normalised.
-        y: (N,) int64 labels in 0..num_classes-1.
-        num_classes: number of classes C.
+        y: (N,) int64 labels in 0..num_classes-1, or (N,) / (N, T) float32 regression targets
+            (a plugin data set; ``[model] loss = "mse"``).
+        num_classes: number of classes C (for regression targets: their number T, the model's
+            output width).
         input_shape: (1, 28, 28) for (Fashion-)MNIST, (3, 32, 32) for CIFAR, (60,) synthetic,
             (F,) for the tabular sets (see :mod:`mpifl.data.tabular`).
         train_ptr: (K+1,) int64 CSR offsets into ``train_idx``.
@@ -101,7 +103,10 @@ class FederatedData:
         return np.diff(self.test_ptr)
 
     def label_counts(self) -> np.ndarray:
-        """(K, C) int64: each client's training samples per label."""
+        """(K, C) int64: each client's training samples per label; (K, 0) for regression
+        targets (float y)."""
+        if self.y.dtype.kind not in "iu":
+            return np.zeros((self.num_clients, 0), dtype=np.int64)
         rows = np.repeat(np.arange(self.num_clients), self.num_train)
         counts = np.zeros((self.num_clients, self.num_classes), dtype=np.int64)
         np.add.at(counts, (rows, self.y[self.train_idx]), 1)
@@ -426,6 +431,9 @@ def _load_plugin(dataset: str, partition: str, num_clients: int, seed: int,
         raise DataError(f"partition '{partition}' is for the built-in data sets; split a plugin "
                         f"data set with a label partition (iid, shards, pathological, dirichlet) "
                         f"or a plugin partition (which may take `sensitive`)")
+    if pool.y.dtype.kind == "f" and partition in PARTITIONS and partition != "iid":
+        raise DataError(f"partition '{partition}' splits by class label; data set '{dataset}' "
+                        f"has regression targets: use 'iid' or a plugin partition")
     parts = _partition(partition, pool.y, num_clients, seed, pool.num_classes,
                        sensitive=pool.sensitive, **label_split)
     _check_sizes(parts, partition)

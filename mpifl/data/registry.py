@@ -34,8 +34,11 @@ class DataPool:
 
     Attributes:
         x: (N, *input_shape) float32 features, already normalised as the model expects.
-        y: (N,) int64 labels in ``0 .. num_classes - 1``.
-        num_classes: C >= 2.
+        y: (N,) int64 labels in ``0 .. num_classes - 1``; or, for a regression task (``[model]
+            loss = "mse"``), (N,) or (N, T) float32 targets, split by a partition that does not
+            read labels (``iid`` or the user's own).
+        num_classes: C >= 2 classes; for float targets, their number T >= 1 (the model's output
+            width).
         sensitive: optional (N,) int64 sensitive-group ids (for demographic parity and the other
             group-fairness metrics, mFairFL, the ``group_skew`` partition); None without one.
     """
@@ -54,20 +57,32 @@ class DataPool:
         x, y = np.asarray(self.x), np.asarray(self.y)
         if x.dtype != np.float32 or x.ndim < 2:
             raise DataError(f"data set '{name}': x must be (N, ...) float32, got {x.shape} {x.dtype}")
+        if y.dtype.kind == "f":  # regression targets
+            width = 1 if y.ndim == 1 else (y.shape[1] if y.ndim == 2 else 0)
+            if y.dtype != np.float32 or len(y) != len(x) or width != int(self.num_classes):
+                raise DataError(f"data set '{name}': float targets must be ({len(x)},) or "
+                                f"({len(x)}, num_classes) float32, got {y.shape} {y.dtype} with "
+                                f"num_classes={self.num_classes}")
+            if not np.isfinite(y).all():
+                raise DataError(f"data set '{name}': the targets have NaN or infinite values")
+            return DataPool(x, y, int(self.num_classes), self._sensitive(name, y))
         if y.shape != (len(x),) or y.dtype.kind not in "iu":
             raise DataError(f"data set '{name}': y must be ({len(x)},) integers, got {y.shape} "
                             f"{y.dtype}")
         if int(self.num_classes) < 2 or (len(y) and (y.min() < 0 or y.max() >= self.num_classes)):
             raise DataError(f"data set '{name}': labels must lie in 0..num_classes-1 with "
                             f"num_classes >= 2 (num_classes={self.num_classes})")
+        return DataPool(x, y.astype(np.int64), int(self.num_classes), self._sensitive(name, y))
+
+    def _sensitive(self, name: str, y: np.ndarray) -> np.ndarray | None:
         s = self.sensitive
         if s is not None:
             s = np.asarray(s)
-            if s.shape != y.shape or s.dtype.kind not in "iu" or (len(s) and s.min() < 0):
+            if s.shape != y.shape[:1] or s.dtype.kind not in "iu" or (len(s) and s.min() < 0):
                 raise DataError(f"data set '{name}': sensitive must be ({len(y)},) non-negative "
                                 f"integers, got {s.shape} {s.dtype}")
             s = s.astype(np.int64)
-        return DataPool(x, y.astype(np.int64), int(self.num_classes), s)
+        return s
 
 
 def _check_callable(name: str, fn: object) -> None:

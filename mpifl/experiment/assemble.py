@@ -1,5 +1,5 @@
 """Assembling an experiment's parts from its config, identically on every rank: the device, the
-federated data, the model and its initial parameters, the trainer, the meta step."""
+federated data, the model, its loss and initial parameters, the trainer path, the meta step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from mpifl import aggregators
 from mpifl.clients import TRAINERS, VmapTrainer
+from mpifl.clients.loop import LoopTrainer
+from mpifl.clients.select import select_trainer
 from mpifl.clients.faults import NaNClients
 from mpifl.clients.meta import MetaStep
 from mpifl.core.errors import ConfigError, MpiflError
@@ -17,7 +19,7 @@ from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
 from mpifl.experiment.config import Config
-from mpifl.models import build_model
+from mpifl.models import Loss, ModelTraits, build_model, get_loss, model_traits
 from mpifl.runtime.backends import group_setup
 from mpifl.runtime.comm import local_rank
 
@@ -27,7 +29,9 @@ class Parts:
     fed: object
     model: torch.nn.Module
     layout: ParamLayout
-    w0: torch.Tensor  # (d,) float32 initial global parameters
+    w0: torch.Tensor  # (d,) float32 initial global parameters (and float buffers)
+    loss: Loss  # [model] loss
+    traits: ModelTraits  # buffers, random layers, convolutions (decide the trainer path)
 
 
 def device_for(cfg: Config, rank: int) -> torch.device:
@@ -55,11 +59,42 @@ def build_parts(cfg: Config) -> Parts:
             uses_meta_step(cfg) and cfg.fedmeta.meta_sampling == "group_balanced")):
         raise ConfigError(f"data.dataset: '{d.dataset}' has no sensitive attribute, which "
                           f"{cfg.server.algorithm} (or the group-balanced meta set) needs")
-    model = build_model(cfg.model.name, fed.input_shape, fed.num_classes,
+    loss = get_loss(cfg.model.loss)
+    _check_task(cfg, fed, loss)
+    model = build_model(cfg.model.name, fed.input_shape, loss.width(fed.num_classes),
                         hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed,
                         **cfg.model.params)
+    traits = model_traits(model, fed.input_shape)
+    if traits.buffers and (uses_meta_step(cfg) or rule.personal_models):
+        raise ConfigError(f"model: '{cfg.model.name}' has buffers ({', '.join(traits.buffers)}), "
+                          f"which FedMeta's meta step and personal models cannot carry")
     layout = ParamLayout.from_module(model)
-    return Parts(fed, model, layout, layout.flatten_module(model).detach().clone())
+    return Parts(fed, model, layout, layout.flatten_module(model).detach().clone(), loss, traits)
+
+
+def _check_task(cfg: Config, fed, loss: Loss) -> None:
+    """The loss fits the data (labels or targets) and the rule (some need class labels)."""
+    integer = fed.y.dtype.kind in "iu"
+    if loss.classification != integer:
+        want = "integer class labels" if loss.classification else "float targets"
+        raise ConfigError(f"model.loss: '{loss.name}' needs {want}; data set "
+                          f"'{cfg.data.dataset}' has {fed.y.dtype} y")
+    if loss.outputs == 1 and fed.num_classes != 2:
+        raise ConfigError(f"model.loss: '{loss.name}' is a two-class loss; data set "
+                          f"'{cfg.data.dataset}' has {fed.num_classes} classes")
+    rule = aggregators.rule(cfg.server.algorithm)
+    needs_labels = (rule.needs_num_groups
+                    or rule.client_options(cfg.rule_params()).get("report_accuracy"))
+    if needs_labels and not loss.classification:
+        raise ConfigError(f"server.algorithm: '{cfg.server.algorithm}' needs class labels "
+                          f"(accuracies or groups); model.loss '{loss.name}' is a regression loss")
+
+
+def trainer_path(cfg: Config, parts: Parts, device: torch.device) -> tuple[str, str]:
+    """``client.trainer`` resolved for this model and device: ``("vmap" | "loop", why)``."""
+    rule = aggregators.rule(cfg.server.algorithm)
+    return select_trainer(cfg.client.trainer, parts.traits, rule.trainer_kind, device.type,
+                          cfg.server.algorithm)
 
 
 def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
@@ -86,6 +121,9 @@ def trainer_columns(cfg: Config, parts: Parts):
 
 def make_trainer(cfg: Config, parts: Parts, device: torch.device):
     cls, options = _trainer_options(cfg, parts)
+    if trainer_path(cfg, parts, device)[0] == "loop":
+        cls = LoopTrainer
+    options["loss"] = parts.loss
     x = torch.from_numpy(parts.fed.x).to(device)
     y = torch.from_numpy(parts.fed.y).to(device)
     if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
@@ -111,10 +149,11 @@ def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
     y = getattr(inner, "y", None)
     if x is None or y is None:
         x, y = torch.from_numpy(parts.fed.x).to(device), torch.from_numpy(parts.fed.y).to(device)
-    return VmapTrainer(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
-                       batch_size=c.batch_size, momentum=c.momentum, weight_decay=c.weight_decay,
-                       seed=cfg.run.seed, memory_budget_mb=c.memory_budget_mb, device=device,
-                       pretrain_losses=False, order_tag=ADAPT_TAG)
+    cls = LoopTrainer if trainer_path(cfg, parts, device)[0] == "loop" else VmapTrainer
+    return cls(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
+               batch_size=c.batch_size, momentum=c.momentum, weight_decay=c.weight_decay,
+               seed=cfg.run.seed, memory_budget_mb=c.memory_budget_mb, device=device,
+               pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss)
 
 
 def make_aggregator(cfg: Config, parts: Parts):
@@ -142,4 +181,4 @@ def meta_step_for(cfg: Config, parts: Parts, device: torch.device | str = "cpu")
     m = cfg.fedmeta
     return MetaStep(parts.fed, parts.model, parts.layout, seed=cfg.run.seed,
                     meta_size=m.meta_size, eta_meta=m.eta_meta, meta_sampling=m.meta_sampling,
-                    device=device)
+                    device=device, loss=parts.loss)

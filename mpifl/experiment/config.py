@@ -32,7 +32,7 @@ from mpifl.core.registry import closest
 from mpifl.data.federated import DATASETS, SPECIAL_PARTITIONS
 from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS
 from mpifl.data.tabular import TABULAR
-from mpifl.models import MODEL_FACTORIES, MODELS
+from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
 from mpifl.runtime.loggers import LOGGERS, missing_requirement
 
 if sys.version_info >= (3, 11):
@@ -109,6 +109,12 @@ class ModelConfig(_Section):
     hidden: list[Annotated[int, Field(ge=1, le=2**20)]] = Field(
         default_factory=lambda: [200, 200], max_length=64)
     output: Literal["logits", "softmax"] = "logits"
+    # the training and evaluation loss: cross_entropy, bce, mse, a plugin's, or "pkg.module:obj"
+    # (mpifl/models/losses.py; checked by name later)
+    loss: str = "cross_entropy"
+    # BatchNorm's running statistics travel in w and are aggregated like parameters (FedAvg of
+    # the clients' statistics, ALGORITHMS.md §9); "local" (FedBN) is not built yet
+    batchnorm: Literal["global"] = "global"
     # keyword arguments of a plugin model's factory
     params: dict[str, Any] = Field(default_factory=dict)
 
@@ -123,6 +129,10 @@ class ClientConfig(_Section):
     weight_decay: float = Field(0.0, ge=0.0, le=1e3)
     memory_budget_mb: float = Field(1024.0, gt=0.0, le=2.0**30)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # local training path: "vmap" (vectorised clients), "loop" (one client at a time, any model:
+    # the oracle), "auto" (the fastest correct one for the model and device, logged and stored
+    # in the results as the attribute "trainer"; pin it for bit-for-bit reproducibility)
+    trainer: Literal["auto", "vmap", "loop"] = "auto"
 
 
 class ServerConfig(_Section):
@@ -383,6 +393,12 @@ def _check_names(cfg: Config) -> None:
                               f"or an import path 'package.module:object'") from None
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{key}: '{name}': {exc}") from None
+    get_loss(cfg.model.loss)  # ConfigError "model.loss: ..." for an unknown name
+    rule = aggregators.rule(cfg.server.algorithm)
+    if cfg.client.trainer == "loop" and rule.trainer_kind != "sgd":
+        raise ConfigError(f"client.trainer: 'loop' runs plain local SGD (and FedProx); "
+                          f"'{cfg.server.algorithm}' trains with its own vectorised trainer "
+                          f"'{rule.trainer_kind}' (use client.trainer = 'auto' or 'vmap')")
 
 
 def _check_loggers(names: list[str]) -> None:

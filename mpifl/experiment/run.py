@@ -26,7 +26,7 @@ from mpifl.core.errors import EXIT_BAD_INPUT, ConfigError, MpiflError, OutputErr
 from mpifl.core.locking import RunLock
 from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
                                        make_trainer, meta_step_for, trainer_columns,
-                                       uses_meta_step)
+                                       trainer_path, uses_meta_step)
 from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
 from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
@@ -398,10 +398,14 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
                            group_metrics=group_setup(parts.fed, device) is not None,
                            personal_metrics=aggregator.personal_models,
                            adapted_metrics=cfg.run.adapt_epochs > 0,
+                           loss_metrics=not parts.loss.classification,
                            history=start.ckpt.history if start.ckpt else None,
                            clients={"num_train": parts.fed.num_train,
                                     "num_test": parts.fed.num_test,
                                     "label_counts": parts.fed.label_counts()})
+    path, why = trainer_path(cfg, parts, device)
+    writer.attrs["trainer"] = path  # what client.trainer = "auto" chose, for the record
+    log.info("local training: %s trainer (%s), loss %s", path, why, parts.loss.name)
     loggers = LoggerSet(cfg.run.loggers, out, json.loads(cfg.to_json()), first)
     try:
         meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None

@@ -13,6 +13,28 @@ import numpy as np
 import torch
 
 SUMMARY_KEYS = ("mean", "weighted_mean", "std", "worst5", "best5", "fair_angle", "cf")
+LOSS_SUMMARY_KEYS = ("mean", "std", "worst5", "best5")
+
+
+def loss_summary(loss: np.ndarray) -> dict[str, float]:
+    """Summarise the per-client test losses of one evaluation (regression tasks, where there
+    is no accuracy).
+
+    Args:
+        loss: (K,) float, each client's mean loss on its local test split (NaN: no test data).
+
+    Returns:
+        ``mean`` and ``std`` (population) over the clients with test data, ``worst5`` (mean of
+        the highest ``max(1, floor(0.05 K))`` losses) and ``best5`` (of the lowest), in the
+        loss's units.
+    """
+    values = np.sort(np.asarray(loss, dtype=np.float64))
+    values = values[~np.isnan(values)]
+    if values.size == 0:
+        return dict.fromkeys(LOSS_SUMMARY_KEYS, math.nan)
+    tail = max(1, math.floor(0.05 * values.size))
+    return {"mean": float(values.mean()), "std": float(values.std()),
+            "worst5": float(values[-tail:].mean()), "best5": float(values[:tail].mean())}
 
 
 def client_summary(accuracy: np.ndarray, num_test: np.ndarray) -> dict[str, float]:

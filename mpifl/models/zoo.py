@@ -1,7 +1,9 @@
 """Model zoo and the parameter layout (module -> slice of the flat parameter vector).
 
 Models (ALGORITHMS.md §9), all plain ``nn.Sequential`` stacks without BatchNorm, Dropout or buffers,
-so that stacked parameters can be trained with ``torch.func.vmap``:
+so that stacked parameters can be trained with ``torch.func.vmap`` (plugin models may have
+BatchNorm and Dropout: :func:`model_traits` tells, and ``client.trainer = "auto"`` trains them with
+the per-client loop, :mod:`mpifl.clients.loop`):
 
 - ``logreg``: flatten -> Linear(in, C) with a zero-initialised bias.
 - ``mlp``: flatten -> [Linear + ReLU] per hidden size -> Linear(C). Two hidden layers of 200 is the
@@ -28,12 +30,14 @@ import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from mpifl.core.errors import ConfigError
+from mpifl.core.layout import buffer_names
 from mpifl.core.registry import Registry
 
 #: The built-in models (ALGORITHMS.md §9).
@@ -72,15 +76,16 @@ def build_model(
             ``"pkg.module:factory"``.
         input_shape: shape of one sample, without the batch dimension, e.g. ``(784,)``,
             ``(1, 28, 28)`` or ``(3, 32, 32)``. CNNs take ``(C, H, W)`` or ``(H, W)`` (one channel).
-        num_classes: number of classes C (>= 2); the model outputs ``(batch, C)``.
+        num_classes: output width: the number of classes C, of regression targets, or 1 for
+            a one-logit loss (``bce``); the model outputs ``(batch, num_classes)``.
         hidden: hidden layer widths, passed to factories that take ``hidden`` (``mlp``).
         output: ``"logits"`` or ``"softmax"`` (appends ``Softmax(dim=-1)``, FedFV reference code).
         seed: initial weights depend only on this; the global torch RNG is left untouched.
         params: further keyword arguments of the factory (a plugin model's ``[model.params]``).
 
     Returns:
-        An ``nn.Module`` of float32 CPU parameters and no buffers (checked:
-        :func:`check_model`).
+        An ``nn.Module`` of float32 CPU parameters (checked: :func:`check_model`), in eval
+        mode: evaluation uses it as it is; trainers put their own copies in train mode.
 
     Raises:
         ConfigError: unknown name or output, shapes the model cannot take, parameters the
@@ -93,8 +98,8 @@ def build_model(
     if output not in OUTPUTS:
         raise ConfigError(f"unknown model output {output!r}; choose 'logits' or 'softmax'")
     shape = _check_shape(input_shape)
-    if int(num_classes) < 2:
-        raise ConfigError(f"num_classes must be at least 2, got {num_classes}")
+    if int(num_classes) < 1:
+        raise ConfigError(f"the model's output width must be at least 1, got {num_classes}")
     if "hidden" in inspect.signature(factory).parameters:
         params = {"hidden": tuple(hidden), **params}
     # Module constructors draw from the global CPU generator: fork it so that the caller's
@@ -109,17 +114,16 @@ def build_model(
         model = nn.Sequential(OrderedDict([*model.named_children()], softmax=nn.Softmax(dim=-1))) \
             if isinstance(model, nn.Sequential) else nn.Sequential(model, nn.Softmax(dim=-1))
     check_model(model, shape, int(num_classes), name)
-    return model
+    return model.eval()
 
 
 def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
                 name: str = "model") -> None:
-    """The contract of vmapped training (``torch.func.functional_call`` over stacked float32
-    parameters, one flat vector per client): an ``nn.Module`` with at least one parameter, all
-    float32; no buffers (BatchNorm's running statistics are per-model state that vmapped clients
-    cannot each carry); no dropout (its masks would come from torch's global RNG, not from
-    mpifl's (seed, round, client) keys, so runs would not be reproducible); output
-    ``(batch, num_classes)``.
+    """The contract of every trainer: an ``nn.Module`` with at least one parameter, all float32;
+    float32 buffers only (BatchNorm's running statistics travel in w with the parameters); no
+    BatchNorm without running statistics (it would evaluate each client's test set with that
+    set's own batch statistics); output ``(batch, num_classes)`` in eval mode. Buffers and
+    random layers (Dropout, ``F.dropout``) are allowed; :func:`model_traits` reports them.
 
     Raises:
         ConfigError: naming the model, the offending parameter, buffer or module, and why.
@@ -134,20 +138,80 @@ def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
         if p.dtype != torch.float32:
             raise ConfigError(f"model '{name}': parameter '{pname}' is {p.dtype}; mpifl trains "
                               f"float32 parameters (build it with dtype=torch.float32)")
-    for bname, _ in model.named_buffers():
-        raise ConfigError(f"model '{name}' has a buffer '{bname}' (e.g. BatchNorm's running "
-                          f"statistics): vmapped clients cannot each carry it; use GroupNorm or "
-                          f"LayerNorm, or BatchNorm2d(track_running_stats=False)")
+    for bname, b in model.named_buffers():
+        if b.is_floating_point() and b.dtype != torch.float32:
+            raise ConfigError(f"model '{name}': buffer '{bname}' is {b.dtype}; mpifl keeps "
+                              f"float32 state")
     for mname, module in model.named_modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            raise ConfigError(f"model '{name}': '{mname}' is dropout, whose masks come from "
-                              f"torch's global RNG, not mpifl's (seed, round, client) keys, so "
-                              f"runs would not be reproducible; remove it")
+        if isinstance(module, nn.modules.batchnorm._NormBase) and not module.track_running_stats:
+            raise ConfigError(f"model '{name}': '{mname}' is BatchNorm without running "
+                              f"statistics, which would evaluate every client's test set with "
+                              f"that set's own batch statistics; keep track_running_stats=True "
+                              f"(the statistics then travel with the model, ALGORITHMS.md §9)")
+    was_training = model.training
+    model.eval()
     with torch.no_grad():
         out = model(torch.zeros(2, *input_shape))
+    model.train(was_training)
     if tuple(out.shape) != (2, num_classes):
         raise ConfigError(f"model '{name}': output shape {tuple(out.shape)} for a batch of 2, "
                           f"expected (2, {num_classes})")
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    """What a model needs of its trainer (:func:`model_traits`).
+
+    Attributes:
+        buffers: names of the float buffers in w (e.g. ``"bn1.running_mean"``); vmapped
+            training cannot update them, the per-client loop can.
+        random: the forward pass in train mode draws random numbers (``nn.Dropout``,
+            ``F.dropout``, ...); vmapped training would take them from one shared stream,
+            the per-client loop keys them by (seed, round, client, step).
+        convolutional: the model has convolutions (``client.trainer = "auto"`` may prefer the
+            loop for them, see :func:`mpifl.clients.select_trainer`).
+    """
+
+    buffers: tuple[str, ...] = ()
+    random: bool = False
+    convolutional: bool = False
+
+    @property
+    def vmappable(self) -> bool:
+        """Whether the vectorised trainers can train this model exactly."""
+        return not self.buffers and not self.random
+
+
+def model_traits(model: nn.Module, input_shape: Sequence[int]) -> ModelTraits:
+    """Detect buffers, randomness and convolutions of a checked model, once, when the run is
+    assembled (never in round 1).
+
+    Randomness is found by running the model in train mode on one random batch under two
+    different torch seeds: any layer drawing random numbers, a module or a functional call
+    (``F.dropout`` inside ``forward``), gives different outputs. The caller's random streams
+    and the model's mode and buffers are left as they were.
+    """
+    shape = _check_shape(input_shape)
+    buffers = tuple(buffer_names(model))
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
+    was_training = model.training
+    outs = []
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            device = next(model.parameters()).device
+            torch.manual_seed(0)
+            x = torch.randn(4, *shape, device=device)
+            model.train()
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                outs.append(model(x))
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
+    conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return ModelTraits(buffers, not torch.equal(outs[0], outs[1]), conv)
 
 
 def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:

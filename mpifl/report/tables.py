@@ -63,6 +63,13 @@ def summarise(path: str | Path, last: int = 1) -> dict[str, Any]:
             row[f"personal_{key}"] = tail(f"personal/{key}", 100)
         if f"adapted/{key}" in ev:  # run.adapt_epochs: after local adaptation
             row[f"adapted_{key}"] = tail(f"adapted/{key}", 100)
+    if "loss/mean" in ev:  # a regression task: the clients' test losses, no accuracy
+        for key in ("mean", "std", "worst5", "best5"):
+            row[f"loss_{key}"] = tail(f"loss/{key}")
+            row.pop(key, None)
+        row.pop("fair_angle", None)
+        row.pop("cf", None)
+        return row
     if acc.size <= PER_CLIENT_MAX:
         row["client_accuracy"] = [100 * float(a) for a in acc]
     return row
@@ -117,7 +124,9 @@ _ROWS = [
     ("adapted_mean", "adapted mean acc (%)", "{:.2f}"),
     ("adapted_worst5", "adapted worst 5% (%)", "{:.2f}"),
     ("fair_angle", "fair angle (rad)", "{:.4f}"),
-    ("cf", "CF violation (pp)", "{:.2f}"), ("dp", "DP violation", "{:.4f}"),
+    ("cf", "CF violation (pp)", "{:.2f}"), ("loss_mean", "mean loss", "{:.5g}"),
+    ("loss_std", "std of loss", "{:.4g}"), ("loss_worst5", "worst 5% loss", "{:.5g}"),
+    ("loss_best5", "best 5% loss", "{:.5g}"), ("dp", "DP violation", "{:.4f}"),
     ("eo", "EO violation", "{:.4f}"), ("ap", "AP violation", "{:.4f}"),
 ]
 

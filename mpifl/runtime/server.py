@@ -21,7 +21,8 @@ from mpifl.clients.faults import accepted, dropped_out
 from mpifl.core.errors import OutputError
 from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
-from mpifl.metrics.summary import client_summary, count_conflicts, count_layer_conflicts
+from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
+                                   loss_summary)
 from mpifl.store.checkpoint import Checkpoint, save
 
 log = logging.getLogger("mpifl.server")
@@ -83,6 +84,8 @@ class Server:
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
         self.meta, self.loggers, self.shard = meta, loggers, shard
+        # a regression loss: no accuracy; the clients' test losses are summarised instead
+        self.regression = getattr(writer.history, "loss_metrics", False)
 
     def run(self, w: torch.Tensor, start: int = 0, progress: bool = True) -> tuple[torch.Tensor, bool]:
         """Run rounds ``start .. run.rounds-1``.
@@ -103,7 +106,9 @@ class Server:
             summary = None
             if eval_due(rnd, rounds, self.cfg.run.eval_every):
                 row["time_eval"], summary = self._evaluate(rnd, w)
-                bar.set_postfix(acc=f"{summary['mean']:.3f}", worst5=f"{summary['worst5']:.3f}")
+                key = "loss/" if self.regression else ""
+                bar.set_postfix({"loss" if key else "acc": f"{summary[key + 'mean']:.4g}",
+                                 "worst5": f"{summary[key + 'worst5']:.4g}"})
             stopping = self.stop is not None and self.stop.requested
             due = stopping or rnd + 1 == rounds or (every and (rnd + 1) % every == 0)
             self.writer.append_round(row, flush=not due)  # a checkpoint round writes below
@@ -241,7 +246,16 @@ class Server:
             adapted = (rep.adapted_accuracy, rep.adapted_loss)
             summary.update({f"adapted/{k}": v for k, v in
                             client_summary(rep.adapted_accuracy, self.fed.num_test).items()})
+        if self.regression:
+            summary.update({f"loss/{k}": v for k, v in loss_summary(loss).items()})
         self.writer.append_eval(rnd + 1, acc, loss, summary, personal, adapted)
+        if self.regression:
+            log.info("round %d/%d: mean loss %.5g, std %.3g, worst5 %.5g, best5 %.5g",
+                     rnd + 1, self.cfg.run.rounds, summary["loss/mean"], summary["loss/std"],
+                     summary["loss/worst5"], summary["loss/best5"])
+            if not math.isfinite(summary["loss/mean"]):
+                log.warning("round %d: non-finite loss", rnd + 1)
+            return time.perf_counter() - t0, summary
         log.info("round %d/%d: mean acc %.4f, std %.2f pp, worst5 %.4f, best5 %.4f",
                  rnd + 1, self.cfg.run.rounds, summary["mean"], 100 * summary["std"],
                  summary["worst5"], summary["best5"])

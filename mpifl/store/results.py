@@ -14,7 +14,7 @@ Layout (also in the README)::
     /clients/label_counts    (K, C) int64, each client's training samples per label
     /eval/round              (E,)   int, rounds completed at that evaluation
     /eval/client_accuracy    (E, K) float64, fraction in [0, 1], on each client's local test split
-    /eval/client_loss        (E, K) float64, mean cross-entropy
+    /eval/client_loss        (E, K) float64, mean of [model] loss (cross-entropy by default)
     /eval/<summary>          (E,)   mean, weighted_mean, std, worst5, best5, cf (fractions of 1),
                                     fair_angle (radians)
     /eval/group/{dp,eo,ap}   (E,)   group-fairness violations on the union of the clients' test
@@ -25,7 +25,10 @@ Layout (also in the README)::
                                     global model trained run.adapt_epochs local epochs (only
                                     with run.adapt_epochs > 0; absent = off)
     /eval/adapted/<summary>  (E,)   the summaries of the adapted accuracies
-    /model/global            (d,)   float32, final global parameters, named_parameters order
+    /eval/loss/{mean,std,worst5,best5}  (E,)  summaries of the client losses (regression
+                                    losses only, where client_accuracy and its summaries are NaN)
+    /model/global            (d,)   float32, final global parameters (and float buffers such as
+                                    BatchNorm's running statistics), model_state order
     /model/layer_names, layer_start, layer_stop   (L,) the layer map (module -> slice of /model/global)
 
 Every accuracy (and its std) is a fraction in [0, 1]; percentage points appear only in printed
@@ -53,7 +56,7 @@ import numpy as np
 from mpifl.core.version import __version__
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import clean_stale_temporaries
-from mpifl.metrics.summary import SUMMARY_KEYS
+from mpifl.metrics.summary import LOSS_SUMMARY_KEYS, SUMMARY_KEYS
 from mpifl.store.sealed import open_verified, write_atomic
 
 SCHEMA_VERSION = 2
@@ -70,6 +73,8 @@ GROUP_KEYS = ("group/dp", "group/eo", "group/ap")
 PERSONAL_KEYS = tuple(f"personal/{k}" for k in SUMMARY_KEYS)
 #: /eval summaries after local adaptation (``run.adapt_epochs`` > 0).
 ADAPTED_KEYS = tuple(f"adapted/{k}" for k in SUMMARY_KEYS)
+#: /eval summaries of the clients' test losses (regression tasks, ``[model] loss = "mse"``).
+LOSS_KEYS = tuple(f"loss/{k}" for k in LOSS_SUMMARY_KEYS)
 
 #: /rounds columns: name -> (dtype, unit/description), written once per round.
 ROUND_COLUMNS: dict[str, tuple[str, str]] = {
@@ -159,12 +164,15 @@ class MetricHistory:
     """
 
     def __init__(self, num_clients: int, num_layers: int, group_metrics: bool = False,
-                 personal_metrics: bool = False, adapted_metrics: bool = False) -> None:
+                 personal_metrics: bool = False, adapted_metrics: bool = False,
+                 loss_metrics: bool = False) -> None:
         self.num_clients, self.num_layers = num_clients, num_layers
         self.personal_metrics, self.adapted_metrics = personal_metrics, adapted_metrics
+        self.loss_metrics = loss_metrics
         self.summary_keys = (SUMMARY_KEYS + (GROUP_KEYS if group_metrics else ())
                              + (PERSONAL_KEYS if personal_metrics else ())
-                             + (ADAPTED_KEYS if adapted_metrics else ()))
+                             + (ADAPTED_KEYS if adapted_metrics else ())
+                             + (LOSS_KEYS if loss_metrics else ()))
         self.rounds: dict[str, list] = {
             name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS, **SELECTION_COLUMNS}}
         self.eval_round: list[int] = []
@@ -231,7 +239,7 @@ class MetricHistory:
         written under schema ``version`` 1 has its std converted to a fraction."""
         h = cls(g["eval/client_accuracy"].shape[1], g["rounds/conflicts_layer"].shape[1],
                 group_metrics="eval/group" in g, personal_metrics="eval/personal_accuracy" in g,
-                adapted_metrics="eval/adapted" in g)
+                adapted_metrics="eval/adapted" in g, loss_metrics="eval/loss" in g)
         num_rounds = len(g["rounds/round"])
         for name in h.rounds:
             if f"rounds/{name}" not in g and name in (*_LATER_COLUMNS, *SELECTION_COLUMNS):
@@ -282,20 +290,21 @@ class ResultsWriter:
     def __init__(self, path: Path, config_json: str, *, world_size: int, num_clients: int,
                  num_layers: int, algorithm: str, group_metrics: bool = False,
                  personal_metrics: bool = False, history: MetricHistory | None = None,
-                 clients: dict[str, np.ndarray] | None = None, adapted_metrics: bool = False):
+                 clients: dict[str, np.ndarray] | None = None, adapted_metrics: bool = False,
+                 loss_metrics: bool = False):
         self.path = Path(path)
         clean_stale_temporaries(self.path.parent, f".{self.path.name}.tmp-")
         self.attrs = {"schema_version": SCHEMA_VERSION, "mpifl_version": __version__,
                       "config": config_json, "world_size": world_size,
                       "num_clients": num_clients, "algorithm": algorithm, "status": "running"}
         self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
-                                     adapted_metrics)
+                                     adapted_metrics, loss_metrics)
         self.clients = {k: np.asarray(v, dtype=np.int64) for k, v in (clients or {}).items()}
         self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
         self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
         self._pending = self._eval_pending = False
         old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
-                                       adapted_metrics)
+                                       adapted_metrics, loss_metrics)
         for i in range(len(old.rounds["round"])):
             self.append_round({name: col[i] for name, col in old.rounds.items()}, flush=False)
         for i, rnd in enumerate(old.eval_round):
@@ -487,7 +496,7 @@ def read_results(path: str | Path) -> dict[str, Any]:
                 )
             rounds = {k: f["rounds"][k][()] for k in f["rounds"]}
             ev = {k: f["eval"][k][()] for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
-            for sub in ("group", "personal", "adapted"):
+            for sub in ("group", "personal", "adapted", "loss"):
                 ev.update({f"{sub}/{k}": f["eval"][sub][k][()] for k in f["eval"].get(sub, {})})
             clients = {k: f["clients"][k][()] for k in f.get("clients", {})}
     except OutputError:

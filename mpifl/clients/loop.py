@@ -1,0 +1,146 @@
+"""The per-client loop trainer (``client.trainer = "loop"``): any model, any buffer, any loss.
+
+Each selected client, one after the other, loads the round's global state w into a private copy
+of the model, puts it in train mode and runs FedAvg's local update (McMahan et al., AISTATS
+2017; ALGORITHMS.md §1) with ``torch.optim.SGD``: E epochs over the minibatches of
+:func:`~mpifl.clients.trainer.client_minibatches`, the same minibatches, momentum, weight decay
+and FedProx term as the vectorised trainers, so on the models those accept it is their oracle.
+
+What the vectorised trainers cannot do, this one does exactly:
+
+- **Buffers.** BatchNorm's running statistics are part of w (:func:`mpifl.core.layout.model_state`);
+  the forward passes of local training update them and they come back in the update
+  ``u_k = w - w_k`` like the parameters, so the rule aggregates them (``model.batchnorm =
+  "global"``, ALGORITHMS.md §9). Evaluation runs the model in eval mode with the statistics of
+  the evaluated w, never the test batch's own.
+- **Randomness.** Dropout and any other random layer or functional call draw from torch's
+  generator reseeded at every step from ``[seed, round, client, step, LAYER_TAG]``
+  (:data:`mpifl.core.rng.LAYER_TAG`): a client's masks do not depend on the rank, the other
+  clients, the chunking or a resume, so runs stay bit-identical across world sizes.
+  The caller's random streams are left as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from mpifl.clients.trainer import VmapTrainer, client_minibatches
+from mpifl.core.layout import ParamLayout, model_state
+from mpifl.core.rng import LAYER_TAG
+from mpifl.models.zoo import model_traits
+
+__all__ = ["LoopTrainer", "step_seed"]
+
+
+def step_seed(seed: int, round: int, client_id: int, step: int, tag: int | None = None) -> int:
+    """The torch seed of client ``client_id``'s random layers at local ``step`` of ``round``:
+    a 63-bit integer from ``np.random.SeedSequence([seed, round, client, step, LAYER_TAG])``
+    (with the trainer's order ``tag`` appended when given: adaptation's own stream)."""
+    key = [int(seed), int(round), int(client_id), int(step), LAYER_TAG]
+    key += [] if tag is None else [int(tag)]
+    return int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+class LoopTrainer(VmapTrainer):
+    """Local SGD of each selected client in turn, on a plain ``nn.Module`` in train mode.
+
+    Takes :class:`~mpifl.clients.VmapTrainer`'s arguments (model, layout, x, y, epochs,
+    batch_size, momentum, weight_decay, seed, memory_budget_mb, device, prox_mu,
+    report_accuracy, pretrain_losses, order_tag, loss) and returns the same results; evaluation
+    (:meth:`evaluate`, :meth:`evaluate_groups`) is the inherited batched forward of w, in eval
+    mode. ``memory_budget_mb`` bounds the evaluation blocks only: training holds one client.
+
+    Raises:
+        ValueError: a layout that is not the model's state (parameters and float buffers),
+            or VmapTrainer's range errors.
+    """
+
+    _plain_steps = False  # never the batched-matmul path: the steps run on the module itself
+
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor, **kw):
+        super().__init__(model, layout, x, y, **kw)
+        self.net = copy.deepcopy(model).to(self.device).train()
+        self._state = [t for _, t in model_state(self.net)]  # the tensors w is loaded into
+        self._params = list(self.net.parameters())
+        self.random = model_traits(model, tuple(x.shape[1:])).random
+
+    def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
+        if ParamLayout.from_module(model) != layout:
+            raise ValueError("the layout does not match the model's parameters and buffers")
+
+    def plan_chunks(self, sizes: np.ndarray) -> list[np.ndarray]:
+        """One chunk of every client: the loop holds one model at a time, whatever the chunk."""
+        sizes = np.asarray(sizes, dtype=np.int64)
+        return [np.arange(len(sizes), dtype=np.int64)] if len(sizes) else []
+
+    def _train_chunk(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                     sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
+                     prox_mu: float | None = None, loss_out: Tensor | None = None) -> Tensor:
+        """Each client's local SGD from w (or its row of ``start``); returns ``(m, d)`` final
+        states. ``loss_out`` ((m,) float64) gets each client's first-epoch sum of minibatch loss
+        times minibatch size, as in :meth:`VmapTrainer._train_chunk`."""
+        mu = self.prox_mu if prox_mu is None else float(prox_mu)
+        out = torch.empty(len(sample_idx), self.layout.d, device=self.device)
+        for i, (cid, idx) in enumerate(zip(client_ids, sample_idx)):
+            begin = w if start is None else start[i].to(w)
+            sums = self._train_one(begin, w, int(round), lr, int(cid), idx, mu,
+                                   want_loss=loss_out is not None)
+            out[i] = self.layout.flatten_module(self.net)
+            if loss_out is not None:
+                loss_out[i] += sums
+        return out
+
+    def _train_one(self, begin: Tensor, anchor: Tensor, round: int, lr: float, cid: int,
+                   idx: np.ndarray, mu: float, want_loss: bool) -> float:
+        """Train ``self.net`` from ``begin`` (d,) on one client's samples ``idx``; the proximal
+        term (``mu`` > 0) pulls towards ``anchor`` (d,), the round's w. Returns the first
+        epoch's sum of minibatch loss x minibatch size (0 when not ``want_loss``)."""
+        with torch.no_grad():
+            for t, v in zip(self._state, self.layout.unflatten(begin).values()):
+                t.copy_(v)
+        anchors = ([a.detach() for n, a in self.layout.unflatten(anchor).items()
+                    if n in dict(self.net.named_parameters())] if mu else None)
+        opt = torch.optim.SGD(self._params, lr=lr, momentum=self.momentum,
+                              weight_decay=self.weight_decay)
+        xs, ys = self._gather(np.asarray(idx, dtype=np.int64))
+        n = len(idx)
+        first_epoch_steps = 1 if self.batch_size == 0 else math.ceil(n / self.batch_size)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=self.random), torch.enable_grad():
+            for step, pos in enumerate(client_minibatches(self.seed, round, cid, n, self.epochs,
+                                                          self.batch_size, self.order_tag)):
+                if self.random:
+                    torch.manual_seed(step_seed(self.seed, round, cid, step, self.order_tag))
+                p = torch.as_tensor(pos, device=self.device)
+                loss = self.loss.per_sample(self.net(xs[p]), ys[p]).mean()
+                if want_loss and step < first_epoch_steps:
+                    total += loss.detach().double() * len(pos)
+                if mu:
+                    loss = loss + 0.5 * mu * sum((q - a).square().sum()
+                                                 for q, a in zip(self._params, anchors))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        return float(total)
+
+    @torch.no_grad()
+    def evaluate_each(self, W: Tensor, sample_idx: Sequence[np.ndarray]
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Accuracy and mean loss of client i's own state ``W[i]`` on its samples, one client
+        at a time (:meth:`VmapTrainer.evaluate_each`'s contract)."""
+        n = len(sample_idx)
+        if tuple(W.shape) != (n, self.layout.d):
+            raise ValueError(f"W must have shape ({n}, {self.layout.d}), got {tuple(W.shape)}")
+        acc, loss = np.full(n, math.nan), np.full(n, math.nan)
+        for i in range(n):
+            if len(sample_idx[i]):
+                a, l = self.evaluate(W[i], [sample_idx[i]])
+                acc[i], loss[i] = a[0], l[0]
+        return acc, loss

@@ -1,0 +1,134 @@
+"""The training and evaluation loss, declared once (``[model] loss``) and used by every trainer,
+rule-side client computation and evaluation.
+
+A :class:`Loss` gives the per-sample loss of a model's outputs and, for a classification task,
+which samples the model got right (accuracy and the group-fairness counts are built on that).
+Built-ins:
+
+- ``cross_entropy`` (default): ``F.cross_entropy(out, y)``, out ``(b, C)`` logits, y ``(b,)`` int64
+  class labels; predicted label ``argmax(out)``.
+- ``bce``: binary cross-entropy with logits, ``F.binary_cross_entropy_with_logits``; out
+  ``(b, 1)`` or ``(b,)`` (one logit, the model is built with one output), y ``(b,)`` 0/1 labels
+  of a two-class data set; predicted label ``out > 0``.
+- ``mse``: mean squared error over the targets, a regression task: out ``(b, T)`` or ``(b,)``,
+  y ``(b,)`` or ``(b, T)`` float32; no accuracy (NaN), summaries are of the client losses.
+
+A user loss is a registered :class:`Loss` (``@LOSSES.register("name")`` in a plugin) or an import
+path ``"pkg.module:obj"`` naming a :class:`Loss` or a plain function ``fn(out, y) -> (b,)``, taken
+as a classification loss with argmax accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mpifl.core.errors import ConfigError
+from mpifl.core.registry import Registry
+
+__all__ = ["LOSSES", "Loss", "get_loss"]
+
+Task = Literal["classification", "regression"]
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A per-sample loss and what it says about the task.
+
+    Attributes:
+        name: as named in the config.
+        per_sample: ``fn(out, y) -> (b,)`` float tensor, differentiable in ``out``; ``out`` is the
+            model's output for a batch of b samples, ``y`` their targets.
+        task: ``"classification"`` (integer labels; accuracy and fairness metrics) or
+            ``"regression"`` (float targets; loss-based summaries only).
+        outputs: model output width for a data set of C classes or targets: ``None`` means C
+            (``cross_entropy``, ``mse``), an int a fixed width (``bce``: 1).
+        predict: ``fn(out) -> (b,)`` int64 predicted labels (classification: accuracy and the
+            group counts compare them with y), or None (regression).
+        positive: ``fn(out) -> (b,)`` probability of class 1 for binary tasks (mFairFL's
+            constraints), or None when the loss defines none.
+    """
+
+    name: str
+    per_sample: Callable[[Tensor, Tensor], Tensor]
+    task: Task = "classification"
+    outputs: int | None = None
+    predict: Callable[[Tensor], Tensor] | None = None
+    positive: Callable[[Tensor], Tensor] | None = None
+
+    @property
+    def classification(self) -> bool:
+        return self.task == "classification"
+
+    def width(self, num_classes: int) -> int:
+        """The model's output width for a data set of ``num_classes`` classes (or targets)."""
+        return int(num_classes) if self.outputs is None else int(self.outputs)
+
+    def labels(self, out: Tensor) -> Tensor:
+        """(b,) int64 predicted labels; -1 for a regression loss (never equal to a label, and
+        callers report NaN accuracy for a regression task)."""
+        if self.predict is None:
+            return torch.full((out.shape[0],), -1, dtype=torch.int64, device=out.device)
+        return self.predict(out)
+
+
+def _check_loss(name: str, loss: object) -> None:
+    if not isinstance(loss, Loss) and not callable(loss):
+        raise TypeError(f"loss {name!r} must be a mpifl.models.losses.Loss or a function "
+                        f"fn(out, y) -> (batch,) per-sample losses")
+
+
+#: Losses by name (``[model] loss``); plugins add theirs with ``@LOSSES.register("name")``.
+LOSSES: Registry = Registry("loss", _check_loss)
+
+
+def _argmax(out: Tensor) -> Tensor:
+    return out.argmax(dim=-1)
+
+
+def _softmax_positive(out: Tensor) -> Tensor:
+    return torch.softmax(out, dim=-1)[..., 1]
+
+
+def _logit(out: Tensor) -> Tensor:
+    return out.reshape(out.shape[0]) if out.dim() > 1 else out
+
+
+def _bce(out: Tensor, y: Tensor) -> Tensor:
+    return F.binary_cross_entropy_with_logits(_logit(out), y.to(out.dtype), reduction="none")
+
+
+def _mse(out: Tensor, y: Tensor) -> Tensor:
+    err = out.reshape(out.shape[0], -1) - y.to(out.dtype).reshape(y.shape[0], -1)
+    return err.square().mean(dim=1)
+
+
+LOSSES.add("cross_entropy", Loss(
+    "cross_entropy", lambda out, y: F.cross_entropy(out, y, reduction="none"),
+    predict=_argmax, positive=_softmax_positive))
+LOSSES.add("bce", Loss("bce", _bce, outputs=1,
+                       predict=lambda out: (_logit(out) > 0).long(),
+                       positive=lambda out: torch.sigmoid(_logit(out))))
+LOSSES.add("mse", Loss("mse", _mse, task="regression"))
+
+
+def get_loss(name: str) -> Loss:
+    """The :class:`Loss` a config names (a registered name or ``"pkg.module:obj"``).
+
+    A plain function found by import path becomes a classification loss with argmax accuracy.
+
+    Raises:
+        ConfigError: ``model.loss: ...`` one line naming the unknown name and the known ones.
+    """
+    try:
+        obj = LOSSES.get(name)
+    except LookupError as exc:
+        raise ConfigError(f"model.loss: {exc}") from None
+    if isinstance(obj, Loss):
+        return obj
+    return Loss(name, obj, predict=_argmax, positive=_softmax_positive)

@@ -1,0 +1,403 @@
+"""Any model researchers train (issue 24): the loss declared once, the per-client loop trainer
+(the oracle of the vectorised paths and the trainer of BatchNorm and Dropout), keyed dropout,
+BatchNorm statistics averaged with the parameters, the trainer choice, and the example plugin
+package examples/models/ under real mpiexec with kill and resume."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpifl.clients.loop import LoopTrainer, step_seed
+from mpifl.clients.select import select_trainer
+from mpifl.clients.trainer import VmapTrainer, client_minibatches
+from mpifl.core.errors import ConfigError
+from mpifl.core.layout import ParamLayout
+from mpifl.models import build_model, get_loss, model_traits
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def example_package():
+    sys.path.insert(0, str(EXAMPLES))
+    import mpifl_models  # noqa: F401  (registers cifar_like, small_resnet, smoothed_ce, ...)
+    yield
+    sys.path.remove(str(EXAMPLES))
+
+
+def _data(n, shape, classes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def _clients(sizes):
+    bounds = np.cumsum([0, *sizes])
+    return [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _loop_oracle(model, layout, x, y, w, rnd, lr, cid, idx, *, epochs, batch_size, loss,
+                 momentum=0.0, seed=0):
+    """The obvious per-client training, written out: a fresh copy of the module in train mode,
+    torch's generator seeded per step from the documented key, torch.optim.SGD."""
+    net = copy.deepcopy(model).train()
+    state = dict(net.named_parameters()) | dict(net.named_buffers())
+    with torch.no_grad():
+        for name, value in layout.unflatten(w).items():
+            state[name].copy_(value)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    for step, pos in enumerate(client_minibatches(seed, rnd, cid, len(idx), epochs, batch_size)):
+        torch.manual_seed(step_seed(seed, rnd, cid, step))
+        rows = torch.as_tensor(idx[pos])
+        opt.zero_grad()
+        loss.per_sample(net(x[rows]), y[rows]).mean().backward()
+        opt.step()
+    return layout.flatten_module(net)
+
+
+# --------------------------------------------------------------------------- trainer paths
+
+
+@pytest.mark.parametrize("name,shape,options", [
+    ("mlp", (12,), dict(momentum=0.9, weight_decay=1e-3)),
+    ("mlp", (12,), dict(prox_mu=0.5, pretrain_losses=False)),
+    ("cnn_mnist", (1, 12, 12), dict(momentum=0.5)),
+])
+def test_vmap_equals_the_loop_oracle_on_the_models_it_takes(name, shape, options):
+    model = build_model(name, shape, 4, hidden=(16,), seed=1)
+    layout = ParamLayout.from_module(model)
+    x, y = _data(90, shape, 4)
+    idx = _clients((13, 40, 37))
+    w = layout.flatten_module(model)
+    kw = dict(epochs=2, batch_size=8, **options)
+    got = VmapTrainer(model, layout, x, y, **kw).train(w, 5, 0.1, np.array([3, 1, 7]), idx)
+    want = LoopTrainer(model, layout, x, y, **kw).train(w, 5, 0.1, np.array([3, 1, 7]), idx)
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    assert torch.allclose(got[1], want[1], atol=1e-5)
+
+
+def _bn_dropout_model():
+    return build_model("small_resnet", (3, 8, 8), 3, seed=2, channels=4, stages=2, dropout=0.3)
+
+
+def test_loop_trainer_is_the_written_out_loop_for_batchnorm_and_dropout():
+    model = _bn_dropout_model()
+    layout = ParamLayout.from_module(model)
+    assert any(n.endswith("running_mean") for n in layout.names)
+    x, y = _data(50, (3, 8, 8), 3)
+    idx = _clients((20, 30))
+    w = layout.flatten_module(model)
+    loss = get_loss("cross_entropy")
+    trainer = LoopTrainer(model, layout, x, y, epochs=2, batch_size=6, momentum=0.9)
+    updates, _ = trainer.train(w, 4, 0.05, np.array([2, 9]), idx)
+    for row, cid, i in zip(updates, (2, 9), idx):
+        want = _loop_oracle(model, layout, x, y, w, 4, 0.05, cid, i, epochs=2, batch_size=6,
+                            loss=loss, momentum=0.9)
+        assert torch.allclose(w - row, want, atol=1e-6)  # u_k = w - w_k rounds once
+    # the running statistics moved (train mode) and came back in the update
+    stats = [layout.unflatten(updates[0])[n] for n in layout.names if "running" in n]
+    assert all(s.abs().sum() > 0 for s in stats)
+
+
+def test_dropout_masks_are_keyed_by_client_not_by_chunk_order_or_caller():
+    model = _bn_dropout_model()
+    layout = ParamLayout.from_module(model)
+    x, y = _data(60, (3, 8, 8), 3)
+    idx = _clients((20, 25, 15))
+    w = layout.flatten_module(model)
+    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=5)
+    both, _ = trainer.train(w, 1, 0.1, np.array([0, 1, 2]), idx)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    alone, _ = trainer.train(w, 1, 0.1, np.array([2]), idx[2:])
+    assert torch.equal(torch.random.get_rng_state(), before)  # caller's stream untouched
+    assert torch.equal(alone[0], both[2])  # the same masks without the other clients
+    other, _ = trainer.train(w, 1, 0.1, np.array([7]), idx[2:])
+    assert not torch.equal(other[0], both[2])  # another client id: other masks
+
+
+def test_global_batchnorm_statistics_are_averaged_like_parameters():
+    """FedAvg of two clients' updates moves the running statistics to the sample-weighted
+    mean of the clients' own, exactly as it does the parameters."""
+    from mpifl.aggregators import create
+    from mpifl.aggregators.base import RoundUpdates
+
+    model = _bn_dropout_model()
+    layout = ParamLayout.from_module(model)
+    x, y = _data(40, (3, 8, 8), 3)
+    idx = _clients((10, 30))
+    w = layout.flatten_module(model)
+    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=10)
+    updates, losses = trainer.train(w, 0, 0.1, np.array([0, 1]), idx)
+    rule = create("fedavg")
+    step = rule.aggregate(RoundUpdates(round=0, client_ids=np.array([0, 1]), updates=updates,
+                                       losses=losses, num_samples=torch.tensor([10, 30]),
+                                       lr=0.1))
+    new = layout.unflatten(w - step)
+    clients = [layout.unflatten(w - u) for u in updates]
+    for name in (n for n in layout.names if "running_var" in n):
+        want = 0.25 * clients[0][name] + 0.75 * clients[1][name]
+        assert torch.allclose(new[name], want, atol=1e-6)
+
+
+def test_evaluation_uses_the_models_running_statistics_not_the_test_batch():
+    model = _bn_dropout_model()
+    layout = ParamLayout.from_module(model)
+    x, y = _data(30, (3, 8, 8), 3)
+    w = layout.flatten_module(model)
+    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=10)
+    acc, loss = trainer.evaluate(w, [np.arange(30)])
+    net = copy.deepcopy(model).eval()
+    want = F.cross_entropy(net(x), y).item()
+    assert loss[0] == pytest.approx(want, rel=1e-6)
+    # changing the stored statistics changes the evaluation: they are what is used
+    moved = w.clone()
+    moved[layout.offsets[layout.names.index("1.running_mean")]] += 5.0
+    assert trainer.evaluate(moved, [np.arange(30)])[1][0] != pytest.approx(loss[0])
+
+
+# --------------------------------------------------------------------------- model checks
+
+
+class _FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc(F.dropout(x, 0.5, self.training))
+
+
+def test_model_traits_find_buffers_and_functional_randomness_at_check_time():
+    plain = model_traits(build_model("mlp", (6,), 3), (6,))
+    assert plain.vmappable and not plain.convolutional
+    functional = model_traits(_FunctionalDropout(), (6,))
+    assert functional.random and not functional.buffers
+    resnet = model_traits(_bn_dropout_model(), (3, 8, 8))
+    assert resnet.random and resnet.convolutional and "1.running_var" in resnet.buffers
+
+
+def test_trainer_choice_and_its_refusals():
+    plain = model_traits(build_model("mlp", (6,), 3), (6,))
+    cnn = model_traits(build_model("cnn_mnist", (1, 12, 12), 3), (1, 12, 12))
+    random = model_traits(_FunctionalDropout(), (6,))
+    assert select_trainer("auto", plain, "sgd", "cpu")[0] == "vmap"
+    assert select_trainer("auto", cnn, "sgd", "cpu")[0] == "loop"
+    assert select_trainer("auto", cnn, "sgd", "cuda")[0] == "vmap"
+    assert select_trainer("vmap", cnn, "sgd", "cpu")[0] == "vmap"
+    assert select_trainer("auto", random, "sgd", "cuda")[0] == "loop"
+    assert select_trainer("auto", cnn, "uga", "cpu")[0] == "vmap"
+    with pytest.raises(ConfigError, match="'vmap' cannot train this model exactly"):
+        select_trainer("vmap", random, "sgd", "cpu")
+    with pytest.raises(ConfigError, match="uga's local training"):
+        select_trainer("auto", random, "uga", "cpu", "uga")
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def test_losses_train_the_same_on_both_paths():
+    x, _ = _data(60, (5,), 2)
+    targets = (x @ torch.arange(5.0)).float()
+    labels = (targets > 0).long()
+    for loss, y, width in ((get_loss("mse"), targets, 1), (get_loss("bce"), labels, 1),
+                           (get_loss("mpifl_models.losses:smoothed_ce_fn"), labels, 2)):
+        model = build_model("mlp", (5,), width, hidden=(8,), seed=0)
+        layout = ParamLayout.from_module(model)
+        w = layout.flatten_module(model)
+        idx = _clients((25, 35))
+        kw = dict(epochs=2, batch_size=10, loss=loss)
+        got = VmapTrainer(model, layout, x, y, **kw).train(w, 0, 0.1, np.array([0, 1]), idx)
+        want = LoopTrainer(model, layout, x, y, **kw).train(w, 0, 0.1, np.array([0, 1]), idx)
+        assert torch.allclose(got[0], want[0], atol=1e-5), loss.name
+        acc, ev_loss = VmapTrainer(model, layout, x, y, **kw).evaluate(w, idx)
+        assert np.isnan(acc).all() == (not loss.classification)
+        assert ev_loss[0] == pytest.approx(loss.per_sample(model(x[:25]), y[:25]).mean().item(),
+                                           rel=1e-5)
+
+
+def test_unknown_loss_is_one_line():
+    with pytest.raises(ConfigError, match="model.loss: .*'cross_entropi'") as info:
+        get_loss("cross_entropi")
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def _job(tmp_path, text, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(f'[plugins]\nmodules = ["mpifl_models"]\npath = ["{EXAMPLES}"]\n' + text)
+    return path
+
+
+RESNET = """
+[run]
+name = "resnet"
+seed = 0
+rounds = 4
+eval_every = 2
+checkpoint_every = 1
+
+[data]
+dataset = "cifar_like"
+partition = "dirichlet"
+num_clients = 6
+train_fraction = 0.75
+
+[data.params]
+num_samples = 240
+
+[model]
+name = "small_resnet"
+loss = "smoothed_ce"
+
+[model.params]
+channels = 4
+stages = 2
+
+[client]
+batch_size = 10
+lr = 0.05
+momentum = 0.9
+
+[server]
+algorithm = "fedavg"
+clients_per_round = 4
+"""
+
+
+@pytest.fixture(scope="module")
+def resnet_runs(tmp_path_factory):
+    from tests.test_resume import run
+
+    tmp = tmp_path_factory.mktemp("resnet")
+    job = _job(tmp, RESNET)
+    outs = {}
+    for ranks in (1, 3):
+        outs[ranks] = tmp / f"n{ranks}.h5"
+        run(ranks, "run", str(job), "--out", str(outs[ranks]))
+    return job, outs
+
+
+@pytest.mark.slow
+def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs):
+    from tests.test_resume import contents
+
+    _, outs = resnet_runs
+    one, three = contents(outs[1]), contents(outs[3])
+    assert one.keys() == three.keys()
+    for key in (k for k in one if k.startswith(("model/", "eval/", "rounds/selected"))):
+        assert np.array_equal(one[key], three[key], equal_nan=True), key
+    with h5py.File(outs[3]) as f:
+        assert f.attrs["trainer"] == "loop"
+        names = [n.decode() if isinstance(n, bytes) else n for n in f["model/layer_names"][()]]
+        assert "1" in names  # the stem's BatchNorm, statistics included, is a layer of w
+    assert np.isfinite(one["eval/client_accuracy"]).all()
+
+
+@pytest.mark.slow
+def test_batchnorm_dropout_resnet_resumes_bit_exact_after_sigkill(resnet_runs, tmp_path):
+    from tests.test_ditto import kill_mid_run
+    from tests.test_resume import command, contents, run
+
+    job, outs = resnet_runs
+    for attempt in range(3):
+        path = tmp_path / f"k{attempt}.h5"
+        if kill_mid_run(command(3, "run", str(job), "--out", str(path)), path, 1.0 + attempt):
+            break
+    else:
+        pytest.fail("the job finished before every kill point")
+    run(3, "run", str(job), "--out", str(path), "--resume")
+    got, want = contents(path), contents(outs[3])
+    for key in want:
+        assert np.array_equal(got[key], want[key], equal_nan=True), key
+
+
+REGRESSION = """
+[run]
+name = "regression"
+seed = 0
+rounds = 6
+eval_every = 3
+checkpoint_every = 3
+
+[data]
+dataset = "sensor_regression"
+partition = "iid"
+num_clients = 8
+
+[data.params]
+num_samples = 800
+
+[model]
+name = "mlp"
+hidden = [16]
+loss = "mse"
+
+[client]
+batch_size = 20
+lr = 0.05
+
+[server]
+algorithm = "fedavg"
+clients_per_round = 4
+"""
+
+
+@pytest.mark.slow
+def test_regression_with_mse_under_mpi_summarises_losses(tmp_path):
+    from tests.test_resume import contents, run
+
+    job = _job(tmp_path, REGRESSION)
+    outs = [tmp_path / "a.h5", tmp_path / "b.h5"]
+    run(1, "run", str(job), "--out", str(outs[0]))
+    run(3, "run", str(job), "--out", str(outs[1]))
+    a, b = contents(outs[0]), contents(outs[1])
+    assert np.allclose(a["model/global"], b["model/global"], atol=1e-5)
+    assert np.isnan(b["eval/client_accuracy"]).all()
+    mean = b["eval/loss/mean"]
+    assert (np.diff(mean) < 0).all() and np.allclose(mean, np.nanmean(b["eval/client_loss"], 1))
+    report = subprocess.run([sys.executable, "-m", "mpifl", "report", str(outs[1])],
+                            capture_output=True, text=True, check=True).stdout
+    assert "mean loss" in report and "mean acc" not in report
+
+
+@pytest.mark.parametrize("change,message", [
+    ('loss = "mse"', "model.loss: 'mse' needs float targets"),
+    ('loss = "bce"', "model.loss: 'bce' is a two-class loss"),
+    ('loss = "no_such_loss"', "model.loss: unknown loss 'no_such_loss'"),
+])
+def test_a_loss_that_does_not_fit_the_data_is_one_line_and_exit_2(tmp_path, change, message):
+    from tests.test_resume import run
+
+    text = RESNET.replace('loss = "smoothed_ce"', change)
+    out = tmp_path / "x.h5"
+    proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(out), code=2)
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_a_rule_that_needs_labels_refuses_a_regression_loss(tmp_path):
+    from tests.test_resume import run
+
+    text = REGRESSION.replace('algorithm = "fedavg"', 'algorithm = "fedfa"')
+    proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(tmp_path / "x.h5"), code=2)
+    assert "'fedfa' needs class labels" in proc.stderr
+
+
+def test_vmap_pinned_for_a_batchnorm_model_is_refused(tmp_path):
+    from tests.test_resume import run
+
+    text = RESNET.replace("lr = 0.05", 'lr = 0.05\ntrainer = "vmap"')
+    proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(tmp_path / "x.h5"), code=2)
+    assert "client.trainer: 'vmap' cannot train this model exactly" in proc.stderr
