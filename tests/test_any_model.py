@@ -85,6 +85,11 @@ def test_vmap_equals_the_loop_oracle_on_the_models_it_takes(name, shape, options
     assert torch.allclose(got[1], want[1], atol=1e-5)
 
 
+def _resnet_model():
+    """The model of the RESNET job below (6 clients of 3 x 32 x 32 images, 10 classes)."""
+    return build_model("small_resnet", (3, 32, 32), 10, seed=0, channels=4, stages=2)
+
+
 def _bn_dropout_model():
     return build_model("small_resnet", (3, 8, 8), 3, seed=2, channels=4, stages=2, dropout=0.3)
 
@@ -147,6 +152,36 @@ def test_global_batchnorm_statistics_are_averaged_like_parameters():
     for name in (n for n in layout.names if "running_var" in n):
         want = 0.25 * clients[0][name] + 0.75 * clients[1][name]
         assert torch.allclose(new[name], want, atol=1e-6)
+
+
+def test_local_batchnorm_trains_from_each_clients_own_coordinates():
+    from mpifl.models.zoo import batchnorm_coordinates
+
+    model = _bn_dropout_model()
+    layout = ParamLayout.from_module(model)
+    local = batchnorm_coordinates(model, layout, "local")
+    assert len(local) == len(batchnorm_coordinates(model, layout, "local_stats")) * 2
+    x, y = _data(50, (3, 8, 8), 3)
+    idx = _clients((20, 30))
+    w = layout.flatten_module(model)
+    state = torch.stack([w[local] + 0.1, w[local] * 0.5])
+    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=7, local_index=local)
+    assert trainer.columns.state == len(local)
+    updates, _, stats = trainer.run_round(w, 2, 0.1, np.array([4, 5]), idx, state=state)
+    assert torch.equal(updates[:, local], torch.zeros(2, len(local)))
+    for i, cid in enumerate((4, 5)):
+        own = w.clone()
+        own[local] = state[i]
+        want = _loop_oracle(model, layout, x, y, own, 2, 0.1, cid, idx[i], epochs=1,
+                            batch_size=7, loss=get_loss("cross_entropy"))
+        assert torch.allclose(stats["local_state"][i], want[local], atol=1e-6)
+        rest = np.setdiff1d(np.arange(layout.d), local)
+        assert torch.allclose((w - updates[i])[rest], want[rest], atol=1e-6)
+    acc, loss = trainer.evaluate_local(w, stats["local_state"], idx)
+    for i in range(2):
+        own = w.clone()
+        own[local] = stats["local_state"][i]
+        assert loss[i] == pytest.approx(trainer.evaluate(own, [idx[i]])[1][0])
 
 
 def test_evaluation_uses_the_models_running_statistics_not_the_test_batch():
@@ -276,12 +311,13 @@ clients_per_round = 4
 """
 
 
-@pytest.fixture(scope="module")
-def resnet_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=["global", "local"])
+def resnet_runs(tmp_path_factory, request):
     from tests.test_resume import run
 
     tmp = tmp_path_factory.mktemp("resnet")
-    job = _job(tmp, RESNET)
+    job = _job(tmp, RESNET.replace('loss = "smoothed_ce"',
+                                   f'loss = "smoothed_ce"\nbatchnorm = "{request.param}"'))
     outs = {}
     for ranks in (1, 3):
         outs[ranks] = tmp / f"n{ranks}.h5"
@@ -300,9 +336,23 @@ def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs)
         assert np.array_equal(one[key], three[key], equal_nan=True), key
     with h5py.File(outs[3]) as f:
         assert f.attrs["trainer"] == "loop"
+        config = f.attrs["config"]
         names = [n.decode() if isinstance(n, bytes) else n for n in f["model/layer_names"][()]]
         assert "1" in names  # the stem's BatchNorm, statistics included, is a layer of w
     assert np.isfinite(one["eval/client_accuracy"]).all()
+    if '"batchnorm": "local"' in config:  # FedBN: w's BatchNorm coordinates never move
+        from mpifl.store.checkpoint import folder_for, load_latest
+
+        model = _resnet_model()
+        layout = ParamLayout.from_module(model)
+        w0 = layout.flatten_module(model).numpy()
+        bn = [n for n in layout.names if n.startswith("1.")]  # the stem's BatchNorm
+        for name in bn:
+            at = slice(layout.offsets[layout.names.index(name)],
+                       layout.offsets[layout.names.index(name)] + layout.numels[layout.names.index(name)])
+            assert np.array_equal(one["model/global"][at], w0[at]), name
+        rows = load_latest(folder_for(outs[3])).client_state["local_rows"]
+        assert rows.shape[0] == 6 and len(np.unique(rows, axis=0)) > 1  # each client its own
 
 
 @pytest.mark.slow

@@ -13,6 +13,13 @@ What the vectorised trainers cannot do, this one does exactly:
   ``u_k = w - w_k`` like the parameters, so the rule aggregates them (``model.batchnorm =
   "global"``, ALGORITHMS.md §9). Evaluation runs the model in eval mode with the statistics of
   the evaluated w, never the test batch's own.
+- **Local BatchNorm** (``model.batchnorm = "local"`` or ``"local_stats"``; FedBN, Li et al.,
+  ICLR 2021): with ``local_index`` the coordinates it lists (BatchNorm statistics, and affine
+  parameters for FedBN) are each client's own. A client starts from w with those coordinates
+  replaced by its state row, its losses are measured there, its update is 0 on them (the rule
+  never averages them) and its trained values come back as the statistic ``local_state``; the
+  server keeps the (K, s) rows (:class:`mpifl.runtime.client_state.LocalCoordinates`) and
+  evaluates every client with its own (:meth:`LoopTrainer.evaluate_local`).
 - **Randomness.** Dropout and any other random layer or functional call draw from torch's
   generator reseeded at every step from ``[seed, round, client, step, LAYER_TAG]``
   (:data:`mpifl.core.rng.LAYER_TAG`): a client's masks do not depend on the rank, the other
@@ -33,6 +40,7 @@ from torch import Tensor, nn
 from mpifl.clients.trainer import VmapTrainer, client_minibatches
 from mpifl.core.layout import ParamLayout, model_state
 from mpifl.core.rng import LAYER_TAG
+from mpifl.core.wire import Columns
 from mpifl.models.zoo import model_traits
 
 __all__ = ["LoopTrainer", "step_seed"]
@@ -56,6 +64,10 @@ class LoopTrainer(VmapTrainer):
     (:meth:`evaluate`, :meth:`evaluate_groups`) is the inherited batched forward of w, in eval
     mode. ``memory_budget_mb`` bounds the evaluation blocks only: training holds one client.
 
+    Args:
+        local_index: (s,) int64 positions in w that stay with each client (local BatchNorm,
+            :func:`mpifl.models.zoo.batchnorm_coordinates`); None or empty: none.
+
     Raises:
         ValueError: a layout that is not the model's state (parameters and float buffers),
             or VmapTrainer's range errors.
@@ -63,12 +75,102 @@ class LoopTrainer(VmapTrainer):
 
     _plain_steps = False  # never the batched-matmul path: the steps run on the module itself
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor, **kw):
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor, *,
+                 local_index: np.ndarray | None = None, **kw):
         super().__init__(model, layout, x, y, **kw)
+        self.local_index = np.zeros(0, np.int64) if local_index is None else np.asarray(
+            local_index, dtype=np.int64).reshape(-1)
+        self.columns = self.columns_for(layout.d, local_index=self.local_index, **kw)
+        self._local = torch.as_tensor(self.local_index, device=self.device)
         self.net = copy.deepcopy(model).to(self.device).train()
         self._state = [t for _, t in model_state(self.net)]  # the tensors w is loaded into
         self._params = list(self.net.parameters())
         self.random = model_traits(model, tuple(x.shape[1:])).random
+
+    @classmethod
+    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+        """As :meth:`VmapTrainer.columns_for`, plus, with ``local_index`` (s positions), the
+        clients' local coordinates as state rows (s wide) and back as ``local_state``."""
+        base = super().columns_for(d, num_groups, **options)
+        local = options.get("local_index")
+        s = 0 if local is None else len(local)
+        if not s:
+            return base
+        return Columns(state=s, stats=(("local_state", s),) + base.stats)
+
+    @torch.no_grad()
+    def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                  sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """:meth:`VmapTrainer.run_round`; with local coordinates, ``state`` (m, s) are the
+        clients' rows of them and ``stats["local_state"]`` (m, s) their trained values."""
+        if not len(self.local_index):
+            return super().run_round(w, round, lr, client_ids, sample_idx, inputs, state)
+        m, s = len(sample_idx), len(self.local_index)
+        if state is None or tuple(state.shape) != (m, s):
+            raise ValueError(f"local BatchNorm: run_round needs the clients' local coordinates "
+                             f"({m}, {s}), got {None if state is None else tuple(state.shape)}")
+        w = self._check_w(w)
+        start = w.expand(m, -1).clone()
+        start[:, self._local] = state.to(start)
+        updates, losses, acc = self._train(w, round, lr, client_ids, sample_idx, start=start)
+        stats = {"local_state": self._last_finals[:, self._local].clone()}
+        updates[:, self._local] = 0.0  # never averaged: the rule leaves w's copy alone
+        if self.report_accuracy:
+            stats["train_accuracy"] = acc.float().view(-1, 1)
+        return updates, losses, stats
+
+    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+               prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`VmapTrainer._train`, with losses and accuracies measured at each client's
+        ``start`` row when given (its own local coordinates)."""
+        w = self._check_w(w)
+        client_ids, sizes = self._check_clients(client_ids, sample_idx)
+        measure = self.pretrain_losses or self.report_accuracy
+        loss_out = None
+        if measure and start is None:
+            losses, acc = self._client_stats(w, sample_idx)
+        elif measure:
+            pairs = [self._client_stats(start[i], [sample_idx[i]]) for i in range(len(sizes))]
+            losses, acc = (torch.cat(c) for c in zip(*pairs))
+        else:
+            loss_out = torch.zeros(len(sizes), dtype=torch.float64, device=self.device)
+            acc = torch.full((len(sizes),), math.nan, dtype=torch.float64, device=self.device)
+        finals = self._train_chunk(w, round, lr, client_ids, sample_idx, start=start,
+                                   prox_mu=prox_mu, loss_out=loss_out)
+        self._last_finals = finals
+        if loss_out is not None:
+            losses = loss_out / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
+        return w - finals, losses.float(), acc
+
+    @torch.no_grad()
+    def evaluate_local(self, w: Tensor, rows: Tensor, sample_idx: Sequence[np.ndarray],
+                       groups: tuple[Tensor, int] | None = None):
+        """Each client's accuracy and mean loss at w with its own local coordinates.
+
+        Args:
+            w: (d,) global state. rows: (n, s) float32, client i's local coordinates.
+            sample_idx: n arrays of sample indices (e.g. the clients' test splits).
+            groups: ``(sensitive (N,) int64, G)`` for the group counts, or None.
+
+        Returns:
+            ``accuracy`` (n,) and ``loss`` (n,) float64 numpy (NaN without samples), and with
+            ``groups`` the (n, G, 2, 3) counts of :meth:`VmapTrainer.evaluate_groups`.
+        """
+        w = self._check_w(w)
+        n = len(sample_idx)
+        acc, loss = np.full(n, math.nan), np.full(n, math.nan)
+        counts = None if groups is None else np.zeros((n, groups[1], 2, 3))
+        for i in range(n):
+            if not len(sample_idx[i]):
+                continue
+            own = w.clone()
+            own[self._local] = rows[i].to(own)
+            out = self._client_stats(own, [sample_idx[i]], groups)
+            loss[i], acc[i] = float(out[0][0]), float(out[1][0])
+            if groups is not None:
+                counts[i] = out[2][0].cpu().numpy()
+        return (acc, loss) if groups is None else (acc, loss, counts)
 
     def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
         if ParamLayout.from_module(model) != layout:
@@ -88,8 +190,9 @@ class LoopTrainer(VmapTrainer):
         mu = self.prox_mu if prox_mu is None else float(prox_mu)
         out = torch.empty(len(sample_idx), self.layout.d, device=self.device)
         for i, (cid, idx) in enumerate(zip(client_ids, sample_idx)):
+            # A start row is w with the client's local coordinates: also its proximal anchor.
             begin = w if start is None else start[i].to(w)
-            sums = self._train_one(begin, w, int(round), lr, int(cid), idx, mu,
+            sums = self._train_one(begin, begin, int(round), lr, int(cid), idx, mu,
                                    want_loss=loss_out is not None)
             out[i] = self.layout.flatten_module(self.net)
             if loss_out is not None:

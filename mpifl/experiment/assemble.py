@@ -4,7 +4,9 @@ federated data, the model, its loss and initial parameters, the trainer path, th
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 import torch
 
@@ -20,6 +22,7 @@ from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
 from mpifl.experiment.config import Config
 from mpifl.models import Loss, ModelTraits, build_model, get_loss, model_traits
+from mpifl.models.zoo import batchnorm_coordinates
 from mpifl.runtime.backends import group_setup
 from mpifl.runtime.comm import local_rank
 
@@ -32,6 +35,8 @@ class Parts:
     w0: torch.Tensor  # (d,) float32 initial global parameters (and float buffers)
     loss: Loss  # [model] loss
     traits: ModelTraits  # buffers, random layers, convolutions (decide the trainer path)
+    #: (s,) positions in w that stay with each client (model.batchnorm local; empty: none)
+    local_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def device_for(cfg: Config, rank: int) -> torch.device:
@@ -69,7 +74,12 @@ def build_parts(cfg: Config) -> Parts:
         raise ConfigError(f"model: '{cfg.model.name}' has buffers ({', '.join(traits.buffers)}), "
                           f"which FedMeta's meta step and personal models cannot carry")
     layout = ParamLayout.from_module(model)
-    return Parts(fed, model, layout, layout.flatten_module(model).detach().clone(), loss, traits)
+    local = batchnorm_coordinates(model, layout, cfg.model.batchnorm)
+    if len(local) and (cfg.server.shards > 1 or cfg.run.adapt_epochs):
+        raise ConfigError(f"model.batchnorm: '{cfg.model.batchnorm}' keeps coordinates per "
+                          f"client, which the sharded server and run.adapt_epochs do not carry yet")
+    return Parts(fed, model, layout, layout.flatten_module(model).detach().clone(), loss, traits,
+                 local)
 
 
 def _check_task(cfg: Config, fed, loss: Loss) -> None:
@@ -115,6 +125,8 @@ def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
 def trainer_columns(cfg: Config, parts: Parts):
     """The :class:`mpifl.clients.Columns` of the run's trainer, without building it (rank 0)."""
     cls, options = _trainer_options(cfg, parts)
+    if len(parts.local_index):  # only the loop keeps local coordinates (models with BatchNorm)
+        cls, options["local_index"] = LoopTrainer, parts.local_index
     groups = group_setup(parts.fed, torch.device("cpu"))
     return cls.columns_for(parts.layout.d, groups[1] if groups else 0, **options)
 
@@ -123,6 +135,8 @@ def make_trainer(cfg: Config, parts: Parts, device: torch.device):
     cls, options = _trainer_options(cfg, parts)
     if trainer_path(cfg, parts, device)[0] == "loop":
         cls = LoopTrainer
+        if len(parts.local_index):
+            options["local_index"] = parts.local_index
     options["loss"] = parts.loss
     x = torch.from_numpy(parts.fed.x).to(device)
     y = torch.from_numpy(parts.fed.y).to(device)

@@ -112,9 +112,10 @@ class ModelConfig(_Section):
     # the training and evaluation loss: cross_entropy, bce, mse, a plugin's, or "pkg.module:obj"
     # (mpifl/models/losses.py; checked by name later)
     loss: str = "cross_entropy"
-    # BatchNorm's running statistics travel in w and are aggregated like parameters (FedAvg of
-    # the clients' statistics, ALGORITHMS.md §9); "local" (FedBN) is not built yet
-    batchnorm: Literal["global"] = "global"
+    # where BatchNorm's state lives (ALGORITHMS.md §9): "global" (statistics travel in w and are
+    # aggregated like parameters), "local" (FedBN: statistics and affine parameters stay with
+    # each client), "local_stats" (SiloBN: only the statistics stay)
+    batchnorm: Literal["global", "local", "local_stats"] = "global"
     # keyword arguments of a plugin model's factory
     params: dict[str, Any] = Field(default_factory=dict)
 

@@ -29,6 +29,7 @@ from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, ma
                                        trainer_path, uses_meta_step)
 from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
+from mpifl.runtime.client_state import LocalCoordinates
 from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
@@ -384,6 +385,18 @@ def _all(comm, flag: bool | None) -> bool:
     return bool(comm.bcast(flag, root=0))
 
 
+def _local_coordinates(parts, ckpt) -> LocalCoordinates | None:
+    """The clients' local coordinates (local BatchNorm), restored from the checkpoint."""
+    if not len(parts.local_index):
+        return None
+    local = LocalCoordinates(parts.local_index, parts.w0, parts.fed.num_clients)
+    if ckpt is not None:
+        if "local_rows" not in ckpt.client_state:
+            raise OutputError(f"{ckpt.path}: the checkpoint has no local BatchNorm rows")
+        local.load_state_dict(ckpt.client_state)
+    return local
+
+
 def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, progress,
                   shard=None) -> int:
     aggregator = make_aggregator(cfg, parts) if shard is None else shard.aggregator
@@ -411,7 +424,8 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
         meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None
         server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,
                         checkpoints=checkpoint.folder_for(out), stop=stop, world_size=size,
-                        meta=meta, loggers=loggers, shard=shard)
+                        meta=meta, loggers=loggers, shard=shard,
+                        local=_local_coordinates(parts, start.ckpt))
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]

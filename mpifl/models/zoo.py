@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -212,6 +213,39 @@ def model_traits(model: nn.Module, input_shape: Sequence[int]) -> ModelTraits:
                 b.copy_(saved[n])
     conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     return ModelTraits(buffers, not torch.equal(outs[0], outs[1]), conv)
+
+
+#: ``model.batchnorm``: where BatchNorm's state lives (ALGORITHMS.md §9, "BatchNorm").
+BATCHNORM_MODES = ("global", "local", "local_stats")
+
+
+def batchnorm_coordinates(model: nn.Module, layout, mode: str) -> np.ndarray:
+    """Positions in w of the BatchNorm coordinates that stay with each client.
+
+    Args:
+        model: the checked model. layout: its :class:`~mpifl.core.layout.ParamLayout`.
+        mode: ``"global"`` (none: statistics and affine parameters are aggregated like every
+            other coordinate), ``"local"`` (FedBN, Li et al., ICLR 2021: every BatchNorm
+            layer's running statistics and affine weight and bias), ``"local_stats"`` (the
+            running statistics only, as SiloBN, Andreux et al., MICCAI DART 2020).
+
+    Returns:
+        (s,) int64 ascending positions into w (empty for ``"global"`` or a model without
+        BatchNorm).
+    """
+    if mode not in BATCHNORM_MODES:
+        raise ConfigError(f"model.batchnorm: unknown mode {mode!r}; choose "
+                          f"{', '.join(BATCHNORM_MODES)}")
+    names = set()
+    if mode != "global":
+        for prefix, module in model.named_modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase):
+                kinds = ("running_mean", "running_var") + (("weight", "bias") if mode == "local"
+                                                           else ())
+                names.update(f"{prefix}.{k}" if prefix else k for k in kinds)
+    pos = [np.arange(off, off + n) for name, off, n in
+           zip(layout.names, layout.offsets, layout.numels) if name in names]
+    return np.concatenate(pos).astype(np.int64) if pos else np.zeros(0, dtype=np.int64)
 
 
 def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:

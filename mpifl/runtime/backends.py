@@ -42,8 +42,13 @@ def stats_width(groups: tuple[torch.Tensor, int] | None) -> int:
     return 0 if groups is None else groups[1] * 2 * 3
 
 
-def evaluate(trainer, w: torch.Tensor, idx, groups) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Accuracy, loss and (with ``groups``) flat (n, G*2*3) group counts of some clients."""
+def evaluate(trainer, w: torch.Tensor, idx, groups, local: torch.Tensor | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Accuracy, loss and (with ``groups``) flat (n, G*2*3) group counts of some clients; with
+    ``local`` (n, s) rows each client is evaluated with its own local coordinates."""
+    if local is not None:
+        out = trainer.evaluate_local(w, local, idx, groups)
+        return out[0], out[1], None if groups is None else out[2].reshape(len(idx), -1)
     if groups is None:
         acc, loss = trainer.evaluate(w, idx)
         return acc, loss, None
@@ -126,11 +131,13 @@ class LocalClients:
         return torch.from_numpy(loss).float().to(w.device), 0
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
-                 adapt: tuple[int, float] | None = None) -> EvalReply:
-        """All K clients at ``w``, at their own rows of ``personal`` (K, d) if given, and after
-        local adaptation from ``w`` if ``adapt = (round, lr)`` is given."""
+                 adapt: tuple[int, float] | None = None,
+                 local: torch.Tensor | None = None) -> EvalReply:
+        """All K clients at ``w`` (with their own ``local`` (K, s) coordinates if given), at
+        their own rows of ``personal`` (K, d) if given, and after local adaptation from ``w``
+        if ``adapt = (round, lr)`` is given."""
         idx = [self.fed.test_indices(k) for k in range(self.fed.num_clients)]
-        reply = EvalReply(*evaluate(self.trainer, w, idx, self.groups))
+        reply = EvalReply(*evaluate(self.trainer, w, idx, self.groups, local))
         if personal is not None:
             reply.personal_accuracy, reply.personal_loss = self.trainer.evaluate_each(personal, idx)
         if adapt is not None:
@@ -184,12 +191,15 @@ class RemoteClients:
         return torch.from_numpy(loss).to(self.device), nbytes
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
-                 adapt: tuple[int, float] | None = None) -> EvalReply:
-        """All K clients at ``w``, at their own rows of ``personal`` (K, d) if given, and after
-        local adaptation from ``w`` on the workers if ``adapt = (round, lr)`` is given."""
+                 adapt: tuple[int, float] | None = None,
+                 local: torch.Tensor | None = None) -> EvalReply:
+        """All K clients at ``w`` (with their own ``local`` (K, s) coordinates if given), at
+        their own rows of ``personal`` (K, d) if given, and after local adaptation from ``w``
+        on the workers if ``adapt = (round, lr)`` is given."""
         return self.transport.request_eval(
             w.detach().cpu().numpy(), self._eval_counts, self._width,
-            None if personal is None else personal.detach().cpu().numpy(), adapt)
+            None if personal is None else personal.detach().cpu().numpy(), adapt,
+            None if local is None else local.detach().cpu().numpy())
 
     def stop(self, code: int = 0) -> None:
         self.transport.stop(code)

@@ -21,7 +21,10 @@ Every request from rank 0 starts with a ``Bcast`` of a small float64 header
   (Ditto's personal models) are gathered too. With bit :data:`ADAPTED` (``run.adapt_epochs``),
   each worker also trains its clients locally from the parameters (minibatch order keyed by
   the header's round, the header's lr) and the adapted accuracies and losses (K,) float64 are
-  gathered last; round and lr are 0 in an EVAL header without it.
+  gathered last; round and lr are 0 in an EVAL header without it. With bit :data:`LOCAL`
+  (local BatchNorm), ``Scatterv`` of every client's local coordinates (K, s) float32 (s =
+  the trainer's state width) comes before the evaluation, and each client is evaluated with
+  its own.
 * ``CHECKPOINT`` (sharded server only): the shard ranks write their blocks of the rule's state
   into the checkpoint of the round carried in the header (:mod:`mpifl.runtime.sharding`);
   ``Gather`` of every rank's status (0 = written).
@@ -60,8 +63,8 @@ from mpifl.core.wire import Columns
 STOP, TRAIN, EVAL, LOSSES, CHECKPOINT = 0, 1, 2, 3, 4
 HEADER_LEN = 5
 #: Bits of an EVAL header's flag: per-client parameters follow (Ditto); evaluate after local
-#: adaptation too (run.adapt_epochs).
-PERSONAL, ADAPTED = 1, 2
+#: adaptation too (run.adapt_epochs); per-client local coordinates follow (local BatchNorm).
+PERSONAL, ADAPTED, LOCAL = 1, 2, 4
 
 
 def _request(method):
@@ -194,6 +197,7 @@ class TrainRequest:
     inputs: np.ndarray | None = None  # (A,) float64 round inputs (TRAIN)
     state: np.ndarray | None = None  # (m_r, s) float32 state rows of this rank's block (TRAIN)
     personal: np.ndarray | None = None  # (K_r, d) float32 per-client parameters (EVAL)
+    local: np.ndarray | None = None  # (K_r, s) float32 per-client local coordinates (EVAL)
     adapt: bool = False  # EVAL: evaluate after local adaptation too (round, lr as above)
 
 
@@ -382,7 +386,8 @@ class MPITransport:
     @_request
     def request_eval(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
                      personal: np.ndarray | None = None,
-                     adapt: tuple[int, float] | None = None) -> EvalReply:
+                     adapt: tuple[int, float] | None = None,
+                     local: np.ndarray | None = None) -> EvalReply:
         """Rank 0: evaluate all K clients on the workers.
 
         Args:
@@ -391,9 +396,12 @@ class MPITransport:
             personal: (K, d) float32 per-client parameters to evaluate as well, or None.
             adapt: ``(round, lr)``: evaluate after local adaptation too (minibatch order keyed
                 by round), or None.
+            local: (K, s) float32 every client's local coordinates (s = ``columns.state``),
+                or None.
         """
         k = int(counts.sum())
-        flag = (PERSONAL if personal is not None else 0) | (ADAPTED if adapt is not None else 0)
+        flag = ((PERSONAL if personal is not None else 0) | (ADAPTED if adapt is not None else 0)
+                | (LOCAL if local is not None else 0))
         rnd, lr = adapt if adapt is not None else (0, 0.0)
         self._bcast_header(EVAL, rnd, lr, flag=flag)
         self._w[:] = w
@@ -402,6 +410,10 @@ class MPITransport:
         if personal is not None:
             self._scatterv(personal, counts * self.d, self.d, 0)
             sent += personal.nbytes
+        if local is not None:
+            local = np.ascontiguousarray(local, dtype=np.float32)
+            self._scatterv(local, counts * self.columns.state, self.columns.state, 0)
+            sent += local.nbytes
         self._results_ready()
         reply = EvalReply(self._gather_f64(counts), self._gather_f64(counts))
         if width:
@@ -449,6 +461,8 @@ class MPITransport:
             req.state = self._scatterv(None, None, self.columns.state, bounds_of(command, ids))
         if command == EVAL and flag & PERSONAL:
             req.personal = self._scatterv(None, None, self.d, bounds_of(command, ids))
+        if command == EVAL and flag & LOCAL:
+            req.local = self._scatterv(None, None, self.columns.state, bounds_of(command, ids))
         req.adapt = command == EVAL and bool(flag & ADAPTED)
         return req
 

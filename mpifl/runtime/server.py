@@ -71,6 +71,8 @@ class Server:
             current round and returns early.
         meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
         loggers: a :class:`mpifl.runtime.loggers.LoggerSet` told every round, or None.
+        local: the clients' local coordinates (:class:`mpifl.runtime.client_state.
+            LocalCoordinates`, local BatchNorm), or None.
         shard: on a sharded server (``server.shards > 1``), rank 0's
             :class:`mpifl.runtime.sharding.ShardServer` (shard 0): it aggregates with the other
             shards, and checkpoints ask every shard for its file first.
@@ -78,12 +80,12 @@ class Server:
 
     def __init__(self, cfg, fed, layout, clients, aggregator, writer, device: torch.device,
                  checkpoints: Path | None = None, stop=None, world_size: int = 1, meta=None,
-                 loggers=None, shard=None):
+                 loggers=None, shard=None, local=None):
         self.cfg, self.fed, self.layout = cfg, fed, layout
         self.clients, self.aggregator, self.writer = clients, aggregator, writer
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
-        self.meta, self.loggers, self.shard = meta, loggers, shard
+        self.meta, self.loggers, self.shard, self.local = meta, loggers, shard, local
         # a regression loss: no accuracy; the clients' test losses are summarised instead
         self.regression = getattr(writer.history, "loss_metrics", False)
 
@@ -143,7 +145,8 @@ class Server:
             state = {k: v for k, v in state.items() if k not in self.aggregator.sharded_state}
             bounds = self.shard.group.bounds
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
-                          self.cfg.to_json(), self.world_size, self.checkpoints, bounds)
+                          self.cfg.to_json(), self.world_size, self.checkpoints, bounds,
+                          client_state=self.local.state_dict() if self.local else {})
         save(self.checkpoints, ckpt)
         return True
 
@@ -162,8 +165,9 @@ class Server:
                "selected": selected, "aggregated": np.zeros(len(selected), dtype=bool)}
         if len(ids) == 0:
             return w, row  # everyone dropped out: the model does not move
-        res = self.clients.train(rnd, lr, ids, w, self.aggregator.round_inputs(),
-                                 self.aggregator.client_state(ids, w))
+        state = (self.local.of(ids).to(w.device) if self.local is not None
+                 else self.aggregator.client_state(ids, w))
+        res = self.clients.train(rnd, lr, ids, w, self.aggregator.round_inputs(), state)
         row.update(train_loss=float(res.losses.double().mean()), bytes_moved=res.bytes_moved,
                    time_broadcast=res.time_broadcast, time_train=res.time_train,
                    time_gather=res.time_gather, peak_rss_server_mb=res.peak_rss_server / 2**20,
@@ -192,6 +196,8 @@ class Server:
                          num_samples=self.fed.num_train[kept], lr=lr, layers=self.layers,
                          stats=stats, loss_at=loss_at)
         step = self.aggregator.aggregate(r)
+        if self.local is not None:  # the aggregated clients keep their trained coordinates
+            self.local.store(kept, stats["local_state"])
         w = w - step
         if self.meta is not None:  # FedMeta (Yao et al. 2019): a step on the server's meta set
             w = self.meta.apply(w)
@@ -230,7 +236,8 @@ class Server:
     def _evaluate(self, rnd: int, w: torch.Tensor) -> tuple[float, dict]:
         t0 = time.perf_counter()
         rep = self.clients.evaluate(self.aggregator.evaluation_params(w),
-                                    self.aggregator.personal_params(w), self._adapt(rnd))
+                                    self.aggregator.personal_params(w), self._adapt(rnd),
+                                    None if self.local is None else self.local.rows)
         acc, loss = rep.accuracy, rep.loss
         summary = client_summary(acc, self.fed.num_test)
         if rep.counts is not None:  # summed over clients: the union of all test data

@@ -71,7 +71,7 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
                     else np.empty(0))
             transport.send_losses(loss)
         elif req.command == EVAL:
-            out = _evaluate(trainer, w, eval_idx, groups, req.personal, device)
+            out = _evaluate(trainer, w, eval_idx, groups, req.personal, device, req.local)
             adapted = None
             if req.adapt:  # after local adaptation: this rank's share of the clients
                 adapted = evaluate_adapted(adapter, fed, w, (req.round, req.lr), eval_ids)
@@ -89,13 +89,14 @@ def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
             stats_rows(cols, stats, len(ids)).cpu().numpy())
 
 
-def _evaluate(trainer, w, eval_idx, groups, personal, device):
+def _evaluate(trainer, w, eval_idx, groups, personal, device, local=None):
     if not eval_idx:  # more ranks than clients: an empty share
         width = 0 if groups is None else groups[1] * 6
         empty = (np.empty(0), np.empty(0))
         return (*empty, np.empty((0, width)) if width else None,
                 empty if personal is not None else None)
-    acc, loss, counts = evaluate(trainer, w, eval_idx, groups)
+    acc, loss, counts = evaluate(trainer, w, eval_idx, groups,
+                                 None if local is None else torch.from_numpy(local).to(device))
     own = None
     if personal is not None:
         own = trainer.evaluate_each(torch.from_numpy(personal).to(device), eval_idx)

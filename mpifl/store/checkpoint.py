@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,9 @@ class Checkpoint:
     #: sharded server: (P + 1,) int64 column block bounds and the P shard files' digests
     shard_bounds: np.ndarray | None = None
     shard_digests: list[str] | None = None
+    #: state kept per client by the server outside the rule (FedBN's local BatchNorm
+    #: coordinates, ``model.batchnorm = "local"``): name -> array; empty when none
+    client_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def shards(self) -> int:
@@ -305,7 +308,8 @@ def _read(path: Path) -> Checkpoint:
                 aggregator=_read_state(f["aggregator"]),
                 history=MetricHistory.from_group(f["history"], version),
                 config_json=str(f.attrs["config"]), world_size=int(f.attrs["world_size"]),
-                path=path, **_shards_of(f))
+                path=path, **_shards_of(f),
+                client_state=_read_state(f["client_state"]) if "client_state" in f else {})
     except OutputError:
         raise
     except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
@@ -329,6 +333,8 @@ def _write(f: h5py.File, ckpt: Checkpoint) -> None:
     f.attrs["world_size"] = ckpt.world_size
     f.create_dataset("model/global", data=np.asarray(ckpt.w, dtype=np.float32))
     _write_state(f.create_group("aggregator"), ckpt.aggregator)
+    if ckpt.client_state:
+        _write_state(f.create_group("client_state"), ckpt.client_state)
     ckpt.history.to_group(f.create_group("history"))
     if ckpt.shard_bounds is not None:
         f.attrs["shards"] = ckpt.shards
