@@ -451,3 +451,83 @@ def test_vmap_pinned_for_a_batchnorm_model_is_refused(tmp_path):
     text = RESNET.replace("lr = 0.05", 'lr = 0.05\ntrainer = "vmap"')
     proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(tmp_path / "x.h5"), code=2)
     assert "client.trainer: 'vmap' cannot train this model exactly" in proc.stderr
+
+
+# --------------------------------------------------------------------------- failing plugins
+
+FAULTY = '''
+import torch
+from torch import nn
+from mpifl.plugin import Aggregator, Params, register_dataset, register_model, register_rule, DataPool
+import numpy as np
+
+
+class Fragile(nn.Module):
+    """Passes mpifl's checks (batches of 2 and 4), fails on a training minibatch of 10."""
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            raise RuntimeError("kaboom in forward")
+        return self.fc(x)
+
+
+@register_model("fragile")
+def fragile(input_shape, num_classes, *, seed):
+    return Fragile()
+
+
+@register_dataset("broken_loader")
+def broken_loader(*, seed, data_root=None, **params):
+    raise OSError("sensor archive unreadable")
+
+
+@register_rule("short_step")
+class ShortStep(Aggregator):
+    class Params(Params):
+        pass
+
+    def aggregate(self, r):
+        return r.updates.mean(0)[:-1]
+
+
+@register_rule("raising_rule")
+class RaisingRule(Aggregator):
+    class Params(Params):
+        pass
+
+    def aggregate(self, r):
+        raise ValueError("no consensus")
+'''
+
+
+@pytest.mark.parametrize("old,new,ranks,message", [
+    ("", "", 1, None),  # the unchanged job runs: the failures below are the changes'
+    ('name = "mlp"', 'name = "fragile"', 3,
+     "model 'fragile' (faulty:fragile) failed to train: RuntimeError: kaboom in forward"),
+    ('dataset = "sensor_regression"', 'dataset = "broken_loader"', 1,
+     "data set 'broken_loader' (faulty:broken_loader) failed to load: OSError: sensor archive "
+     "unreadable"),
+    ('algorithm = "fedavg"', 'algorithm = "short_step"', 3,
+     "rule 'short_step' (faulty:ShortStep): aggregate returned a step of shape (160,), "
+     "expected (161,)"),
+    ('algorithm = "fedavg"', 'algorithm = "raising_rule"', 1,
+     "rule 'raising_rule' (faulty:RaisingRule) failed to aggregate: ValueError: no consensus"),
+])
+def test_a_failing_plugin_is_named_with_its_phase(tmp_path, old, new, ranks, message):
+    from tests.test_resume import run
+
+    (tmp_path / "faulty.py").write_text(FAULTY)
+    job = tmp_path / "job.toml"
+    job.write_text(f'[plugins]\nmodules = ["mpifl_models", "faulty"]\n'
+                   f'path = ["{EXAMPLES}", "{tmp_path}"]\n'
+                   + REGRESSION.replace("rounds = 6", "rounds = 2").replace(old, new))
+    out = tmp_path / "x.h5"
+    if message is None:
+        run(ranks, "run", str(job), "--out", str(out))
+        return
+    proc = run(ranks, "run", str(job), "--out", str(out), code=2)
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

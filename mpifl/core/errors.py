@@ -38,3 +38,9 @@ class PeerLost(MpiflError):
     forever."""
 
     exit_status = EXIT_PEER_LOST
+
+
+class PluginFailure(MpiflError):
+    """User code from a plugin (a model, loss, data set or rule) raised: the message names the
+    part, where it comes from (``pkg.module:object``) and the phase (build, check, load, train,
+    aggregate). Exit status 2: the run cannot succeed until the plugin is fixed."""

@@ -24,6 +24,7 @@ from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
 from mpifl.data.synthetic import generate_synthetic
 from mpifl.data.tabular import TABULAR, load_tabular, standardise_numeric
+from mpifl.core.blame import blame
 from mpifl.core.errors import DataError
 from mpifl.core.rng import PARTITION_TAG, SPLIT_TAG
 
@@ -414,8 +415,10 @@ def _load_plugin(dataset: str, partition: str, num_clients: int, seed: int,
                  train_fraction: float, data_root: str | None, params: dict,
                  label_split: dict) -> FederatedData:
     """A plugin data set: its loader's finished split, or its pool split by a label partition."""
+    loader = DATASET_LOADERS.get(dataset)
     try:
-        out = DATASET_LOADERS.get(dataset)(seed=seed, data_root=data_root, **params)
+        with blame([("data set", dataset, loader)], "load"):
+            out = loader(seed=seed, data_root=data_root, **params)
     except TypeError as exc:
         raise DataError(f"data set '{dataset}': {exc}") from None
     if isinstance(out, FederatedData):

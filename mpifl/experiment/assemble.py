@@ -12,6 +12,7 @@ import torch
 
 from mpifl import aggregators
 from mpifl.clients import TRAINERS, VmapTrainer
+from mpifl.clients.blamed import Blamed
 from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
 from mpifl.clients.faults import NaNClients
@@ -21,7 +22,9 @@ from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
 from mpifl.experiment.config import Config
-from mpifl.models import Loss, ModelTraits, build_model, get_loss, model_traits
+from mpifl.core.blame import blame
+from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
+                          model_traits)
 from mpifl.models.zoo import batchnorm_coordinates
 from mpifl.runtime.backends import group_setup
 from mpifl.runtime.comm import local_rank
@@ -69,7 +72,8 @@ def build_parts(cfg: Config) -> Parts:
     model = build_model(cfg.model.name, fed.input_shape, loss.width(fed.num_classes),
                         hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed,
                         **cfg.model.params)
-    traits = model_traits(model, fed.input_shape)
+    with blame([("model", cfg.model.name, MODEL_FACTORIES.get(cfg.model.name))], "check"):
+        traits = model_traits(model, fed.input_shape)
     if traits.buffers and (uses_meta_step(cfg) or rule.personal_models):
         raise ConfigError(f"model: '{cfg.model.name}' has buffers ({', '.join(traits.buffers)}), "
                           f"which FedMeta's meta step and personal models cannot carry")
@@ -142,8 +146,15 @@ def make_trainer(cfg: Config, parts: Parts, device: torch.device):
     y = torch.from_numpy(parts.fed.y).to(device)
     if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
         options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
-    trainer = cls(parts.model, parts.layout, x, y, device=device, **options)
+    trainer = Blamed(cls(parts.model, parts.layout, x, y, device=device, **options),
+                     plugin_parts(cfg, parts))
     return NaNClients(trainer, cfg.faults.nan_clients) if cfg.faults.nan_clients else trainer
+
+
+def plugin_parts(cfg: Config, parts: Parts) -> list[tuple[str, str, object]]:
+    """The model and loss of the run, for naming them when they fail (:mod:`mpifl.core.blame`)."""
+    return [("model", cfg.model.name, MODEL_FACTORIES.get(cfg.model.name)),
+            ("loss", cfg.model.loss, parts.loss)]
 
 
 def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
@@ -164,10 +175,12 @@ def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
     if x is None or y is None:
         x, y = torch.from_numpy(parts.fed.x).to(device), torch.from_numpy(parts.fed.y).to(device)
     cls = LoopTrainer if trainer_path(cfg, parts, device)[0] == "loop" else VmapTrainer
-    return cls(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
-               batch_size=c.batch_size, momentum=c.momentum, weight_decay=c.weight_decay,
-               seed=cfg.run.seed, memory_budget_mb=c.memory_budget_mb, device=device,
-               pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss)
+    return Blamed(cls(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
+                      batch_size=c.batch_size, momentum=c.momentum,
+                      weight_decay=c.weight_decay, seed=cfg.run.seed,
+                      memory_budget_mb=c.memory_budget_mb, device=device,
+                      pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss),
+                  plugin_parts(cfg, parts))
 
 
 def make_aggregator(cfg: Config, parts: Parts):

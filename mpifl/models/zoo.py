@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from mpifl.core.blame import blame
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import buffer_names
 from mpifl.core.registry import Registry
@@ -108,13 +109,15 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(int(seed))
         try:
-            model = factory(shape, int(num_classes), seed=int(seed), **params)
+            with blame([("model", name, factory)], "build"):
+                model = factory(shape, int(num_classes), seed=int(seed), **params)
         except TypeError as exc:
             raise ConfigError(f"model '{name}': {exc}") from None
     if output == "softmax":
         model = nn.Sequential(OrderedDict([*model.named_children()], softmax=nn.Softmax(dim=-1))) \
             if isinstance(model, nn.Sequential) else nn.Sequential(model, nn.Softmax(dim=-1))
-    check_model(model, shape, int(num_classes), name)
+    with blame([("model", name, factory)], "check"):
+        check_model(model, shape, int(num_classes), name)
     return model.eval()
 
 

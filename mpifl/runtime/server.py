@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from mpifl.aggregators import RoundUpdates
 from mpifl.clients.faults import accepted, dropped_out
-from mpifl.core.errors import OutputError
+from mpifl.core.blame import blame, origin
+from mpifl.core.errors import MpiflError, OutputError
 from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
@@ -195,7 +196,7 @@ class Server:
         r = RoundUpdates(round=rnd, client_ids=kept, updates=updates, losses=res.losses[keep],
                          num_samples=self.fed.num_train[kept], lr=lr, layers=self.layers,
                          stats=stats, loss_at=loss_at)
-        step = self.aggregator.aggregate(r)
+        step = self._aggregate(r, w)
         if self.local is not None:  # the aggregated clients keep their trained coordinates
             self.local.store(kept, stats["local_state"])
         w = w - step
@@ -207,6 +208,19 @@ class Server:
                    conflicts_layer=count_layer_conflicts(updates, step, self.layers),
                    time_aggregate=time.perf_counter() - t0)
         return w, row
+
+    def _aggregate(self, r: RoundUpdates, w: torch.Tensor) -> torch.Tensor:
+        """The rule's step, with a plugin rule's failure named and a step of the wrong shape
+        refused in one line."""
+        name = self.cfg.server.algorithm
+        with blame([("rule", name, type(self.aggregator))], "aggregate"):
+            step = self.aggregator.aggregate(r)
+        if not isinstance(step, torch.Tensor) or tuple(step.shape) != tuple(w.shape):
+            got = tuple(step.shape) if isinstance(step, torch.Tensor) else type(step).__name__
+            raise MpiflError(f"rule '{name}' ({origin(type(self.aggregator))}): aggregate "
+                             f"returned a step of shape {got}, expected {tuple(w.shape)} (one "
+                             f"value per coordinate of w)")
+        return step
 
     def _aggregate_sharded(self, rnd: int, lr: float, ids: np.ndarray, res, w: torch.Tensor,
                            row: dict) -> tuple[torch.Tensor, dict]:
