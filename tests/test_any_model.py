@@ -420,6 +420,13 @@ def test_regression_with_mse_under_mpi_summarises_losses(tmp_path):
     report = subprocess.run([sys.executable, "-m", "mpifl", "report", str(outs[1])],
                             capture_output=True, text=True, check=True).stdout
     assert "mean loss" in report and "mean acc" not in report
+    # stopped after round 3 (its checkpoint), resumed to 6 on 3 ranks: the same run exactly
+    part = tmp_path / "c.h5"
+    run(3, "run", str(job), "--out", str(part), "--set", "run.rounds=3")
+    run(3, "resume", str(part), "--rounds", "6")
+    c = contents(part)
+    for key in (k for k in b if k.startswith(("model/", "eval/"))):
+        assert np.array_equal(c[key], b[key], equal_nan=True), key
 
 
 @pytest.mark.parametrize("change,message", [

@@ -83,6 +83,7 @@ class LoopTrainer(VmapTrainer):
         self.columns = self.columns_for(layout.d, local_index=self.local_index, **kw)
         self._local = torch.as_tensor(self.local_index, device=self.device)
         self.net = copy.deepcopy(model).to(self.device).train()
+        self.model = copy.deepcopy(model).eval()  # evaluation: running statistics, no dropout
         self._state = [t for _, t in model_state(self.net)]  # the tensors w is loaded into
         self._params = list(self.net.parameters())
         self.random = model_traits(model, tuple(x.shape[1:])).random

@@ -683,11 +683,14 @@ def _activation_numel(model: nn.Module, input_shape: tuple[int, ...]) -> int:
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
     hooks = [m.register_forward_hook(count) for m in leaves]
+    was_training = model.training
     try:
         device = next(model.parameters()).device
+        model.eval()  # a batch of one: BatchNorm would refuse it in train mode
         with torch.no_grad():
             model(torch.zeros(1, *input_shape, device=device))
     finally:
+        model.train(was_training)
         for h in hooks:
             h.remove()
     return total

@@ -416,11 +416,11 @@ def _load_plugin(dataset: str, partition: str, num_clients: int, seed: int,
                  label_split: dict) -> FederatedData:
     """A plugin data set: its loader's finished split, or its pool split by a label partition."""
     loader = DATASET_LOADERS.get(dataset)
-    try:
-        with blame([("data set", dataset, loader)], "load"):
+    with blame([("data set", dataset, loader)], "load"):
+        try:
             out = loader(seed=seed, data_root=data_root, **params)
-    except TypeError as exc:
-        raise DataError(f"data set '{dataset}': {exc}") from None
+        except TypeError as exc:  # most often a [data.params] key the loader lacks
+            raise DataError(f"data set '{dataset}': {exc}") from None
     if isinstance(out, FederatedData):
         if out.num_clients != num_clients:
             raise DataError(f"data set '{dataset}' has {out.num_clients} clients, "

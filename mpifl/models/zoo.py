@@ -108,11 +108,11 @@ def build_model(
     # random stream is exactly as before, and seed only the forked copy.
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(int(seed))
-        try:
-            with blame([("model", name, factory)], "build"):
+        with blame([("model", name, factory)], "build"):
+            try:
                 model = factory(shape, int(num_classes), seed=int(seed), **params)
-        except TypeError as exc:
-            raise ConfigError(f"model '{name}': {exc}") from None
+            except TypeError as exc:  # most often a [model.params] key the factory lacks
+                raise ConfigError(f"model '{name}': {exc}") from None
     if output == "softmax":
         model = nn.Sequential(OrderedDict([*model.named_children()], softmax=nn.Softmax(dim=-1))) \
             if isinstance(model, nn.Sequential) else nn.Sequential(model, nn.Softmax(dim=-1))
