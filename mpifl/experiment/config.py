@@ -148,6 +148,18 @@ class ServerConfig(_Section):
     # coordinate shards of the server (issue 14; docs/ARCHITECTURE.md "Sharded server"): ranks
     # 0 .. shards-1 each aggregate one block of the parameters; 1 = rank 0 alone (the oracle)
     shards: int = Field(1, ge=1, le=4096)
+    # server optimizer after the rule (docs/ALGORITHMS.md "Server optimizers"; Reddi et al.,
+    # ICLR 2021): sgd (the rule's step x lr), momentum (FedAvgM), adagrad, adam, yogi
+    optimizer: Literal["sgd", "momentum", "adagrad", "adam", "yogi"] = "sgd"
+    # server learning rate eta (1 with sgd: the rule alone)
+    lr: float = Field(1.0, gt=0.0, le=1e3)
+    # FedAvgM's momentum beta (optimizer = "momentum")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    # beta1, beta2 of adagrad/adam/yogi (adagrad uses beta1 only)
+    betas: list[Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        default_factory=lambda: [0.9, 0.99], min_length=2, max_length=2)
+    # tau, the adaptivity of adagrad/adam/yogi: added to sqrt(v); v starts at tau^2
+    tau: float = Field(1e-3, gt=0.0, le=10.0)
 
 
 class FaultsConfig(_Section):

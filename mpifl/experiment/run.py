@@ -29,6 +29,7 @@ from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, ma
                                        trainer_path, uses_meta_step)
 from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
+from mpifl.aggregators.server_opt import ServerOptimizer, ServerOptimizerParams
 from mpifl.runtime.client_state import LocalCoordinates
 from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
@@ -397,6 +398,20 @@ def _local_coordinates(parts, ckpt) -> LocalCoordinates | None:
     return local
 
 
+def _server_optimizer(cfg, ckpt) -> ServerOptimizer | None:
+    """``server.optimizer`` (None for plain sgd with lr 1), its moments restored from the
+    checkpoint."""
+    s = cfg.server
+    opt = ServerOptimizer(ServerOptimizerParams(s.optimizer, s.lr, s.momentum, *s.betas, s.tau))
+    if opt.identity:
+        return None
+    if ckpt is not None:
+        opt.load_state_dict({k.split("/", 1)[1]: v for k, v in ckpt.server_state.items()
+                             if k.startswith("optimizer/")})
+    log.info("server optimizer: %s, lr %g", s.optimizer, s.lr)
+    return opt
+
+
 def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, progress,
                   shard=None) -> int:
     aggregator = make_aggregator(cfg, parts) if shard is None else shard.aggregator
@@ -425,7 +440,8 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
         server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,
                         checkpoints=checkpoint.folder_for(out), stop=stop, world_size=size,
                         meta=meta, loggers=loggers, shard=shard,
-                        local=_local_coordinates(parts, start.ckpt))
+                        local=_local_coordinates(parts, start.ckpt),
+                        optimizer=_server_optimizer(cfg, start.ckpt))
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]

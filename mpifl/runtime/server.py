@@ -72,6 +72,8 @@ class Server:
             current round and returns early.
         meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
         loggers: a :class:`mpifl.runtime.loggers.LoggerSet` told every round, or None.
+        optimizer: the server optimizer applied to every step of the rule
+            (:class:`mpifl.aggregators.server_opt.ServerOptimizer`), or None for none.
         local: the clients' local coordinates (:class:`mpifl.runtime.client_state.
             LocalCoordinates`, local BatchNorm), or None.
         shard: on a sharded server (``server.shards > 1``), rank 0's
@@ -81,12 +83,13 @@ class Server:
 
     def __init__(self, cfg, fed, layout, clients, aggregator, writer, device: torch.device,
                  checkpoints: Path | None = None, stop=None, world_size: int = 1, meta=None,
-                 loggers=None, shard=None, local=None):
+                 loggers=None, shard=None, local=None, optimizer=None):
         self.cfg, self.fed, self.layout = cfg, fed, layout
         self.clients, self.aggregator, self.writer = clients, aggregator, writer
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
         self.meta, self.loggers, self.shard, self.local = meta, loggers, shard, local
+        self.optimizer = optimizer
         # a regression loss: no accuracy; the clients' test losses are summarised instead
         self.regression = getattr(writer.history, "loss_metrics", False)
 
@@ -147,7 +150,10 @@ class Server:
             bounds = self.shard.group.bounds
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
                           self.cfg.to_json(), self.world_size, self.checkpoints, bounds,
-                          client_state=self.local.state_dict() if self.local else {})
+                          client_state=self.local.state_dict() if self.local else {},
+                          server_state=({f"optimizer/{k}": v for k, v in
+                                         self.optimizer.state_dict().items()}
+                                        if self.optimizer else {}))
         save(self.checkpoints, ckpt)
         return True
 
@@ -199,7 +205,7 @@ class Server:
         step = self._aggregate(r, w)
         if self.local is not None:  # the aggregated clients keep their trained coordinates
             self.local.store(kept, stats["local_state"])
-        w = w - step
+        w = w - self._server_step(step)
         if self.meta is not None:  # FedMeta (Yao et al. 2019): a step on the server's meta set
             w = self.meta.apply(w)
         if self.device.type == "cuda":
@@ -208,6 +214,11 @@ class Server:
                    conflicts_layer=count_layer_conflicts(updates, step, self.layers),
                    time_aggregate=time.perf_counter() - t0)
         return w, row
+
+    def _server_step(self, step: torch.Tensor) -> torch.Tensor:
+        """The step the model moves by: the rule's, through the server optimizer if any (the
+        conflict counts stay those of the rule's step)."""
+        return step if self.optimizer is None else self.optimizer.apply(step)
 
     def _aggregate(self, r: RoundUpdates, w: torch.Tensor) -> torch.Tensor:
         """The rule's step, with a plugin rule's failure named and a step of the wrong shape
@@ -233,7 +244,7 @@ class Server:
             log.warning("round %d: every update was rejected; the model does not move", rnd)
             return w, row
         row["aggregated"] = np.isin(row["selected"], ids[out.keep])
-        w = w - out.step.to(w)
+        w = w - self._server_step(out.step.to(w))
         row.update(num_clients=int(out.keep.sum()), conflicts_model=out.conflicts_model,
                    conflicts_layer=out.conflicts_layer, time_aggregate=time.perf_counter() - t0)
         return w, row

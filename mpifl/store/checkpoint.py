@@ -76,6 +76,9 @@ class Checkpoint:
     #: state kept per client by the server outside the rule (FedBN's local BatchNorm
     #: coordinates, ``model.batchnorm = "local"``): name -> array; empty when none
     client_state: dict[str, Any] = field(default_factory=dict)
+    #: state of the server's own stages after the rule (the server optimizer's moments,
+    #: ``optimizer/m``, ``optimizer/v``): name -> array; empty when none
+    server_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def shards(self) -> int:
@@ -309,7 +312,8 @@ def _read(path: Path) -> Checkpoint:
                 history=MetricHistory.from_group(f["history"], version),
                 config_json=str(f.attrs["config"]), world_size=int(f.attrs["world_size"]),
                 path=path, **_shards_of(f),
-                client_state=_read_state(f["client_state"]) if "client_state" in f else {})
+                client_state=_read_state(f["client_state"]) if "client_state" in f else {},
+                server_state=_read_state(f["server_state"]) if "server_state" in f else {})
     except OutputError:
         raise
     except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
@@ -335,6 +339,8 @@ def _write(f: h5py.File, ckpt: Checkpoint) -> None:
     _write_state(f.create_group("aggregator"), ckpt.aggregator)
     if ckpt.client_state:
         _write_state(f.create_group("client_state"), ckpt.client_state)
+    if ckpt.server_state:
+        _write_state(f.create_group("server_state"), ckpt.server_state)
     ckpt.history.to_group(f.create_group("history"))
     if ckpt.shard_bounds is not None:
         f.attrs["shards"] = ckpt.shards
