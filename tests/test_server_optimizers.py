@@ -113,7 +113,7 @@ def test_fedadam_on_fedfv_under_mpi_equals_one_process_and_resumes_exactly(adam_
     from mpifl.store.checkpoint import folder_for, load_latest
 
     ckpt = load_latest(folder_for(three))
-    assert set(ckpt.server_state) == {"optimizer/m", "optimizer/v"}
+    assert set(ckpt.server_state) == {"optimizer_m", "optimizer_v"}
     for attempt in range(3):
         path = tmp_path / f"k{attempt}.h5"
         if kill_mid_run(command(3, "run", str(adam_job), "--out", str(path)), path,

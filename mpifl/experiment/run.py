@@ -406,8 +406,8 @@ def _server_optimizer(cfg, ckpt) -> ServerOptimizer | None:
     if opt.identity:
         return None
     if ckpt is not None:
-        opt.load_state_dict({k.split("/", 1)[1]: v for k, v in ckpt.server_state.items()
-                             if k.startswith("optimizer/")})
+        opt.load_state_dict({k.split("_", 1)[1]: v for k, v in ckpt.server_state.items()
+                             if k.startswith("optimizer_")})
     log.info("server optimizer: %s, lr %g", s.optimizer, s.lr)
     return opt
 

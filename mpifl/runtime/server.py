@@ -151,7 +151,7 @@ class Server:
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
                           self.cfg.to_json(), self.world_size, self.checkpoints, bounds,
                           client_state=self.local.state_dict() if self.local else {},
-                          server_state=({f"optimizer/{k}": v for k, v in
+                          server_state=({f"optimizer_{k}": v for k, v in
                                          self.optimizer.state_dict().items()}
                                         if self.optimizer else {}))
         save(self.checkpoints, ckpt)

@@ -77,7 +77,7 @@ class Checkpoint:
     #: coordinates, ``model.batchnorm = "local"``): name -> array; empty when none
     client_state: dict[str, Any] = field(default_factory=dict)
     #: state of the server's own stages after the rule (the server optimizer's moments,
-    #: ``optimizer/m``, ``optimizer/v``): name -> array; empty when none
+    #: ``optimizer_m``, ``optimizer_v``): name -> array; empty when none
     server_state: dict[str, Any] = field(default_factory=dict)
 
     @property
