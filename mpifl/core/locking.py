@@ -147,6 +147,29 @@ class RunLock:
         self.release()
 
 
+def owner_alive(results: Path) -> bool:
+    """Whether a live process holds the run lock of ``results`` (read-only: a shared
+    ``flock`` attempt is refused while the owner holds its exclusive one). Without flock, a
+    lock file naming a live pid on this host counts as held."""
+    path = lock_path(Path(results))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: the owner released it, or never ran
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        old = _owner(path)
+        return bool(old and (old[0] != socket.gethostname() or pid_alive(old[1])))
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def clean_stale_temporaries(folder: Path, prefix: str = "") -> list[Path]:
     """Remove ``<prefix>*.tmp-PID`` files in ``folder`` whose PID is not running on this host
     (left by a writer killed mid-write). Called under the run lock, so no live writer of this

@@ -54,7 +54,15 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0, le=2**63 - 1)
     rounds: int = Field(100, ge=1, le=INT32_MAX)
     eval_every: int = Field(10, ge=1, le=INT32_MAX)
-    checkpoint_every: int = Field(0, ge=0, le=INT32_MAX)
+    # rounds between checkpoints; not set: by wall time only (checkpoint_minutes); 0: no
+    # periodic checkpoints at all (only at the end and when stopped by a signal)
+    checkpoint_every: int | None = Field(None, ge=0, le=INT32_MAX)
+    # wall-clock minutes between checkpoints (besides checkpoint_every's rounds); 0: by rounds
+    # only. Checkpoints keep the last 2, so a killed or preempted run resumes (mpifl resume)
+    checkpoint_minutes: float = Field(10.0, ge=0.0, le=1e6)
+    # seconds between progress lines in the log ("round r/R, s/round, ETA, peak memory, last
+    # metrics"), for batch jobs where the progress bar does not show; 0 = none
+    progress_every_s: float = Field(30.0, ge=0.0, le=1e7)
     # live loggers on rank 0 (mpifl.runtime.loggers.LOGGERS): "csv", "tensorboard", "wandb"
     loggers: list[str] = Field(default_factory=list)
     # seconds a rank waits for the others before ending the job (a hung rank, a lost node);
@@ -311,7 +319,8 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 
 #: Keys a resumed run may change: they decide how long it runs, where things go, or how
 #: clients are chunked in memory — never what is computed.
-RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.loggers",
+RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.checkpoint_minutes",
+                  "run.progress_every_s", "run.loggers",
                   "run.peer_timeout_s", "run.init_timeout_s", "data.data_root",
                   "plugins.path",
                   "server.device", "server.shards", "client.memory_budget_mb"}

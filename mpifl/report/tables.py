@@ -16,9 +16,28 @@ from pathlib import Path
 from typing import Any
 
 from mpifl.core.errors import OutputError
+from mpifl.core.locking import owner_alive
+from mpifl.store.checkpoint import folder_for, load_latest
 from mpifl.store.results import read_results
 
 PER_CLIENT_MAX = 10
+
+
+def run_status(path: str | Path, res: dict[str, Any]) -> str:
+    """``complete``, ``running`` (a live process holds the run lock), or for a run whose
+    writer is gone ``interrupted at round r (resumable from round c)`` / ``(not resumable)``
+    (c: the newest valid checkpoint; ``mpifl resume`` continues from it)."""
+    status = res["attrs"].get("status", "?")
+    if status != "running" or owner_alive(Path(path)):
+        return status
+    rounds = res["rounds"].get("round")
+    done = int(rounds[-1]) + 1 if rounds is not None and len(rounds) else 0
+    try:
+        ckpt = load_latest(folder_for(Path(path)))
+    except OutputError:
+        ckpt = None
+    tail = f"resumable from round {ckpt.round}" if ckpt is not None else "not resumable"
+    return f"interrupted at round {done} ({tail})"
 
 
 def summarise(path: str | Path, last: int = 1) -> dict[str, Any]:
@@ -44,7 +63,7 @@ def summarise(path: str | Path, last: int = 1) -> dict[str, Any]:
     row = {
         "run": Path(path).stem,
         "algorithm": res["attrs"].get("algorithm", "?"),
-        "status": res["attrs"].get("status", "?"),
+        "status": run_status(path, res),
         "seed": res["config"].get("run", {}).get("seed"),
         "config": res["config"],
         "round": int(ev["round"][-1]),

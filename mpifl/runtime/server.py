@@ -24,6 +24,7 @@ from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
                                    loss_summary)
+from mpifl.runtime.progress import ProgressLog
 from mpifl.store.checkpoint import Checkpoint, save
 
 log = logging.getLogger("mpifl.server")
@@ -100,12 +101,17 @@ class Server:
             The global parameters (d,) float32 after the last round run, and whether every
             round was run (False when a stop request ended the loop early, after a checkpoint).
         """
-        rounds, every = self.cfg.run.rounds, self.cfg.run.checkpoint_every
-        bar = tqdm(range(start, rounds), desc=self.cfg.run.name, unit="round", initial=start,
+        run = self.cfg.run
+        rounds, every = run.rounds, run.checkpoint_every
+        periodic = every != 0  # 0: only at the end and on a stop request
+        minutes = run.checkpoint_minutes if periodic else 0.0
+        bar = tqdm(range(start, rounds), desc=run.name, unit="round", initial=start,
                    total=rounds, disable=None if progress else True, dynamic_ncols=True)
+        lines = ProgressLog(rounds, start, run.progress_every_s)
         w = w.to(self.device)
-        if start == 0 and every:
+        if start == 0 and periodic:
             self.checkpoint(0, w)  # from now on `mpifl resume` always has a config to go on
+        saved = time.monotonic()
         for rnd in bar:
             w, row = self._round(rnd, w)
             self.aggregator.observe_params(w)
@@ -115,8 +121,11 @@ class Server:
                 key = "loss/" if self.regression else ""
                 bar.set_postfix({"loss" if key else "acc": f"{summary[key + 'mean']:.4g}",
                                  "worst5": f"{summary[key + 'worst5']:.4g}"})
+            lines.round_done(rnd, row, summary)
             stopping = self.stop is not None and self.stop.requested
-            due = stopping or rnd + 1 == rounds or (every and (rnd + 1) % every == 0)
+            timed = bool(minutes) and time.monotonic() - saved >= 60.0 * minutes
+            due = (stopping or rnd + 1 == rounds or timed
+                   or bool(every and (rnd + 1) % every == 0))
             self.writer.append_round(row, flush=not due)  # a checkpoint round writes below
             if self.loggers is not None:
                 self.loggers.log_round(rnd, row, summary)
@@ -124,6 +133,7 @@ class Server:
                 t0 = time.perf_counter()
                 if self.checkpoint(rnd + 1, w):
                     self.writer.set_last_round("time_checkpoint", time.perf_counter() - t0)
+                    saved = time.monotonic()
                 else:
                     self.writer.flush()
             if stopping and rnd + 1 < rounds:

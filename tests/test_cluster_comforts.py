@@ -1,0 +1,147 @@
+"""Long cluster runs as their users meet them (issue 26): checkpoints by default (by wall time),
+``mpifl report`` telling an interrupted run from a live one, progress lines in batch logs — all
+under real ``mpiexec``, real SIGKILLs and real files."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from mpifl.runtime.progress import ProgressLog
+from tests.helpers import FMNIST, kill_tree
+
+JOB = """
+[run]
+name = "comfort"
+seed = 3
+rounds = 30
+eval_every = 10
+{extra}
+[data]
+dataset = "fashion_mnist"
+partition = "shards"
+num_clients = 10
+[model]
+name = "mlp"
+hidden = [16]
+[client]
+batch_size = 0
+[server]
+algorithm = "fedavg"
+clients_per_round = 4
+"""
+
+
+def _job(tmp_path, extra=""):
+    if not FMNIST.is_dir():
+        pytest.fail(f"{FMNIST} missing: apt-get install dataset-fashion-mnist")
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.format(extra=extra))
+    return path
+
+
+def _report(*paths) -> str:
+    return subprocess.run([sys.executable, "-m", "mpifl", "report", *map(str, paths)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def _kill_when(cmd, ready, tmp_path) -> None:
+    """Start ``cmd`` (an mpiexec job), SIGKILL it once ``ready()`` holds."""
+    from tests.test_resume import ENV
+
+    proc = subprocess.Popen(cmd, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert proc.poll() is None, "the job ended before the kill point"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+def _rounds_written(path) -> int:
+    try:
+        with h5py.File(path, "r") as f:
+            return len(f["rounds/round"])
+    except (OSError, KeyError):
+        return 0
+
+
+@pytest.mark.slow
+def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path):
+    from mpifl.store.checkpoint import folder_for
+    from tests.test_resume import command, contents, run
+
+    job = _job(tmp_path)  # no checkpoint_every: the defaults alone
+    want = tmp_path / "want.h5"
+    run(3, "run", str(job), "--out", str(want))
+    out = tmp_path / "killed.h5"
+    _kill_when(command(3, "run", str(job), "--out", str(out)),
+               lambda: any(folder_for(out).glob("round-*.h5")) and _rounds_written(out) >= 3,
+               tmp_path)
+    status = _report(out)
+    assert "interrupted at round" in status and "resumable from round 0" in status
+    run(3, "run", str(job), "--out", str(out), "--resume")
+    got, ref = contents(out), contents(want)
+    for key in (k for k in ref if k.startswith(("model/", "eval/"))):
+        assert np.array_equal(got[key], ref[key], equal_nan=True), key
+    assert "complete" in _report(out)
+
+
+@pytest.mark.slow
+def test_checkpoint_every_0_turns_periodic_checkpoints_off_and_report_says_not_resumable(
+        tmp_path):
+    from mpifl.store.checkpoint import folder_for
+    from tests.test_resume import command
+
+    job = _job(tmp_path, "checkpoint_every = 0")
+    out = tmp_path / "off.h5"
+    _kill_when(command(3, "run", str(job), "--out", str(out)),
+               lambda: _rounds_written(out) >= 3, tmp_path)
+    assert not any(folder_for(out).glob("round-*.h5"))
+    assert "interrupted at round" in _report(out) and "(not resumable)" in _report(out)
+
+
+@pytest.mark.slow
+def test_wall_time_checkpoints_and_progress_lines_under_mpiexec(tmp_path):
+    from tests.test_resume import run
+
+    job = _job(tmp_path, "checkpoint_minutes = 0.0001\nprogress_every_s = 0.0001")
+    out = tmp_path / "timed.h5"
+    proc = run(3, "run", str(job), "--out", str(out))
+    lines = [x for x in proc.stderr.splitlines() if "progress: round" in x]
+    assert len(lines) >= 25 and "progress: round 30/30 (100%)" in lines[-1]
+    assert all("s/round, ETA" in x and "GB/rank" in x for x in lines)
+    assert any("mean acc" in x for x in lines[10:])  # the last evaluation's metrics ride along
+    with h5py.File(out) as f:
+        timed = f["rounds/time_checkpoint"][:-1]
+    assert (timed > 0).sum() >= 10  # checkpoints between rounds, by wall time alone
+
+
+def test_progress_lines_follow_the_interval_and_every_evaluation(caplog):
+    now = [0.0]
+    p = ProgressLog(total=10, start=2, every_s=5.0, clock=lambda: now[0])
+    row = {"peak_rss_server_mb": 512.0, "peak_rss_worker_mb": 1024.0}
+    with caplog.at_level(logging.INFO, logger="mpifl.server"):
+        now[0] = 1.0
+        assert not p.round_done(2, row, None)  # 1 s < 5 s
+        now[0] = 2.0
+        assert p.round_done(3, row, {"mean": 0.5, "worst5": 0.25})  # an evaluation: always
+        now[0] = 6.0
+        assert not p.round_done(4, row, None)
+        now[0] = 7.5
+        assert p.round_done(5, row, None)
+    last = caplog.records[-1].getMessage()
+    # 4 rounds in 7.5 s since the resume at round 2: 1.875 s a round, 4 left
+    assert last == ("progress: round 6/10 (60%), 1.88 s/round, ETA 0:00:08, peak memory "
+                    "1.00 GB/rank, mean acc 0.5000, worst5 0.2500")
+    assert not ProgressLog(10, 0, 0.0).round_done(0, row, {"mean": 1.0, "worst5": 1.0})
