@@ -238,6 +238,36 @@ def _check_bench_out(path: str) -> None:
                          f"exist or is not writable")
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """``mpifl check RULE``: does the rule resume exactly from its state_dict()? 0 yes, 1 no."""
+    from mpifl.aggregators import rule as rule_class
+    from mpifl.bench.statecheck import check_rule_state
+    from mpifl.core.registry import UnknownName
+
+    _load_plugins(args.plugins)
+    from mpifl.experiment.config import parse_override
+
+    params = {}
+    for item in args.set:  # the rule's own keys, parsed as mpifl run's --set values
+        (_, key), value = parse_override(f"rule.{item}")
+        params[key] = value
+    names = args.rules.split(",")
+    for name in names:
+        try:
+            rule_class(name).validate_params(params)
+        except (LookupError, UnknownName) as exc:
+            raise MpiflError(f"check: {exc}") from None
+        except ValueError as exc:  # pydantic's ValidationError: a bad --set, in one line
+            first = (str(exc).splitlines() or [""])[0]
+            raise MpiflError(f"check: {first}") from None
+    failed = 0
+    for name in names:
+        res = check_rule_state(name, rounds=args.rounds, split=args.split, params=params)
+        print(res.line())
+        failed += not res.ok
+    return 1 if failed else 0
+
+
 def cmd_data_fetch(args: argparse.Namespace) -> int:
     from mpifl.data.fetch import fetch_dataset
 
@@ -367,6 +397,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     bs.add_argument("--json", action="store_true", help="print one JSON object")
     bs.set_defaults(func=cmd_bench)
+
+    c = sub.add_parser("check", help="does a rule resume exactly from its state_dict()? "
+                                     "(exit 0 yes, 1 no: the state it keeps undeclared is named)")
+    c.add_argument("rules", help="rule name(s), comma-separated, or 'pkg.module:Class'")
+    c.add_argument("--plugins", metavar="MODULE[,MODULE]", help="import these modules first")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a hyper-parameter of the rule (its table's key); repeatable")
+    c.add_argument("--rounds", type=int, default=6, help="rounds run (default 6)")
+    c.add_argument("--split", type=int, default=3,
+                   help="the state moves to a fresh instance after this round (default 3)")
+    c.set_defaults(func=cmd_check)
 
     d = sub.add_parser("data", help="datasets")
     dsub = d.add_subparsers(dest="data", required=True)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mpifl.report.reproductions import (FigureRow, Measured, load_figures, order_verdicts,
-                                        verdict)
+                                        render, verdict)
 from mpifl.sweep.plan import check, grid_points
 from mpifl.sweep.reproduce import FIGURES, suite_files
 from mpifl.sweep.spec import load_sweep
@@ -93,6 +93,46 @@ def test_a_milestone_never_reached_is_shown_and_ranked_last():
     slow_never = [Measured(values=[9.0, 11.0]), Measured(values=[math.inf, 5.0])]
     assert order_verdicts(rows, slow_never) == {"c": "reproduced"}
     assert order_verdicts(rows, slow_never[::-1]) == {"c": "not reproduced"}
+
+
+def test_each_reason_is_written_once_a_section_and_rows_point_to_it():
+    long = "the paper's split is not given; " * 20  # a long reason, shared by four rows
+
+    def row(section, method, metric, value, why=None):
+        return FigureRow(suite="s", section=section, method=method, metric=metric, value=value,
+                         why=why)
+
+    rows = [row("A", "FedAvg", "mean", 50.0, long),       # not reproduced [1]
+            row("A", "FedAvg", "dp", 10.0, "two-group gap"),  # close [2]
+            row("A", "FedAvg", "eo", 10.0, long),         # not reproduced [1]
+            row("A", "Ditto", "mean", 80.0, long),        # reproduced: no reason shown
+            row("A", "Ditto", "dp", 10.0),                # not reproduced, no why [3]
+            row("A", "Ditto", "eo", 10.0, long),          # close [1]
+            row("A", "Ditto", "ap", 10.0),                # not reproduced, no why [3]
+            row("B", "FedAvg", "mean", 50.0, long),       # another section: its own note [1]
+            row("B", "FedAvg", "cf", 10.0, "two-group gap")]  # [2]
+    measured = [Measured(values=[v]) for v in (80.0, 14.0, 20.0, 80.0, 20.0, 6.0, 20.0, 80.0, 14.0)]
+    text = render(rows, measured, command="mpifl reproduce", machine="m", suites={}, last=1)
+    a, b = text.split("\n## ")[1:3]
+    assert a.startswith("A\n") and b.startswith("B\n")
+    verdicts = {(c[0], c[1]): c[7] for c in
+                (line[2:-2].split(" | ") for line in a.splitlines() if line.startswith("| ")
+                 and not line.startswith("| method"))}
+    assert verdicts == {("FedAvg", "mean"): "not reproduced [1]", ("FedAvg", "dp"): "close [2]",
+                        ("FedAvg", "eo"): "not reproduced [1]", ("Ditto", "mean"): "reproduced",
+                        ("Ditto", "dp"): "not reproduced [3]", ("Ditto", "eo"): "close [1]",
+                        ("Ditto", "ap"): "not reproduced [3]"}
+    notes = [line for line in a.splitlines() if line.startswith("- [")]
+    assert notes == [f"- [1] FedAvg (mean, eo), Ditto (eo): {long}",
+                     "- [2] FedAvg (dp): two-group gap",
+                     "- [3] Ditto (dp, ap): reason not found yet."]
+    assert a.count(long) == 1 and text.count(long) == 2  # once a section
+    assert "| FedAvg | mean | 50.0 | 80.0 ± 0.0 | 1 | +30.0 | - | not reproduced [1] |" in b
+    assert "| FedAvg | cf | 10.0 | 14.0 ± 0.0 | 1 | +4.0 | - | close [2] |" in b
+    assert [line for line in b.splitlines() if line.startswith("- [")] == [
+        f"- [1] FedAvg (mean): {long}", "- [2] FedAvg (cf): two-group gap"]
+    assert render(rows, measured, command="mpifl reproduce", machine="m", suites={},
+                  last=1) == text  # deterministic
 
 
 def test_bad_figures_file_is_one_line_exit_2(tmp_path):
@@ -217,7 +257,8 @@ def test_tiny_suite_table_holds_the_results_files_figures(tiny):
     worst = direct(out, "fedfv", "worst5")
     row = next(line for line in text.splitlines() if line.startswith("| FedFV | worst5 |"))
     assert f"{np.mean(worst):.1f} ± {np.std(worst, ddof=1):.1f}" in row and "not reproduced" in row
-    assert "- FedFV, worst5: the test's made-up figure" in text
+    assert row.endswith("| not reproduced [1] |")
+    assert "- [1] FedFV (worst5): the test's made-up figure" in text
     reached = direct(out, "fedfv", "rounds_to:15")
     row = next(line for line in text.splitlines() if line.startswith("| FedFV | rounds_to:15 |"))
     shown = "never" if math.isinf(np.mean(reached)) else f"{np.mean(reached):.1f}"

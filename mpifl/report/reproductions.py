@@ -267,8 +267,9 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
              f"(each run: the mean of its last {last} evaluations; `rounds_to:X`: the first "
              "evaluated round whose mean accuracy reaches X%). Verdicts: **reproduced** within "
              f"the paper's error bar or {REPRODUCED_PP:g} pp, **close** within {CLOSE_PP:g} pp, "
-             "else **not reproduced** (the reason below the table); rows that the paper "
-             "reports on other data are judged by their order only (the claim column).", ""]
+             "else **not reproduced**; a verdict's [n] points to the reason, note n below its "
+             "section's table (each reason written once a section); rows that the paper reports "
+             "on other data are judged by their order only (the claim column).", ""]
     counts = {v: verdicts.count(v) for v in sorted(set(verdicts), key=_verdict_rank)}
     claims = list(orders.values())
     claim_counts = {v: claims.count(v) for v in sorted(set(claims), key=_verdict_rank)}
@@ -279,8 +280,8 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
         lines += [f"## {section}", "",
                   "| method | metric | paper | mpifl | seeds | diff | claim | verdict |",
                   "|---|---|---|---|---|---|---|---|"]
-        notes = []
-        for i in idx:
+        marks, notes = reason_notes([rows[i] for i in idx], [verdicts[i] for i in idx])
+        for i, mark in zip(idx, marks):
             r, m, v = rows[i], measured[i], verdicts[i]
             paper = (r.paper_text or "-" if r.value is None
                      else _fmt(r.value) + (f" ± {_fmt(r.sd)}" if r.sd else ""))
@@ -290,11 +291,7 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
                     else f"{m.mean - r.value:+.1f}")
             claim = f"{r.claim} #{r.rank}" if r.claim and r.rank else "-"
             lines.append(f"| {r.method} | {r.metric} | {paper} | {mine} | {seeds} | {diff} | "
-                         f"{claim} | {v} |")
-            if v in ("not reproduced", "close") and r.why:
-                notes.append(f"- {r.method}, {r.metric}: {r.why}")
-            elif v == "not reproduced":
-                notes.append(f"- {r.method}, {r.metric}: reason not found yet.")
+                         f"{claim} | {v}{mark} |")
         lines += [""] + (notes + [""] if notes else [])
         claims = _claim_lines([rows[i] for i in idx], [measured[i] for i in idx], orders)
         lines += claims + ([""] if claims else [])
@@ -311,6 +308,28 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
                   f"{sum(secs) / 60:.0f} min of round time, the longest "
                   f"{max(secs, default=0) / 60:.1f} min.", "", "```", header.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def reason_notes(rows: list[FigureRow], verdicts: list[str]) -> tuple[list[str], list[str]]:
+    """A section's reasons, each written once: per row its pointer (`` [n]``, or ``""`` for a
+    row that needs no reason) and the notes, ``- [n] rows: reason``, numbered in the order of
+    their first row. A row *close* or *not reproduced* needs its ``why`` (*not reproduced*
+    without one: "reason not found yet."); rows with the same reason share its note, which
+    names them as ``method (metric, metric), method (metric)``."""
+    concerns: dict[str, dict[str, list[str]]] = {}  # reason -> method -> metrics, in row order
+    marks = []
+    for r, v in zip(rows, verdicts):
+        why = (r.why if v in ("not reproduced", "close") and r.why
+               else "reason not found yet." if v == "not reproduced" else None)
+        if why is None:
+            marks.append("")
+            continue
+        concerns.setdefault(why, {}).setdefault(r.method, []).append(r.metric)
+        marks.append(f" [{list(concerns).index(why) + 1}]")
+    notes = [f"- [{n}] " + ", ".join(f"{method} ({', '.join(metrics)})"
+                                      for method, metrics in by_method.items()) + f": {why}"
+             for n, (why, by_method) in enumerate(concerns.items(), 1)]
+    return marks, notes
 
 
 def _claim_lines(rows: list[FigureRow], measured: list[Measured], orders: dict[str, str]

@@ -349,6 +349,19 @@ def _write(f: h5py.File, ckpt: Checkpoint) -> None:
     f.attrs["digest"] = _digest(f)
 
 
+def state_round_trip(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` written as a checkpoint writes a rule's state and read back (an in-memory
+    HDF5 file): what a resumed run's rule gets. Raises TypeError for a value a checkpoint
+    cannot hold."""
+    import io
+
+    buf = io.BytesIO()
+    with h5py.File(buf, "w") as f:
+        _write_state(f.create_group("aggregator"), state)
+    with h5py.File(buf, "r") as f:
+        return _read_state(f["aggregator"])
+
+
 def _write_state(group: h5py.Group, state: dict[str, Any]) -> None:
     """Arrays become datasets; int, float, bool and str scalars become typed attributes."""
     for key, value in state.items():
