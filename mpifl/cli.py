@@ -93,12 +93,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from mpifl.report.tables import format_table, group_by_seed, summarise
+    from mpifl.sweep.plan import INDEX
 
     if args.last < 1:
         raise MpiflError(f"--last {args.last}: expected at least 1 evaluation")
-    if len(args.runs) == 1 and Path(args.runs[0]).is_dir():  # a sweep folder
+    if len(args.runs) == 1 and (Path(args.runs[0]) / INDEX).is_file():  # one sweep folder
         return report_sweep(args.runs[0], as_json=args.json, last=args.last)
-    rows = [summarise(p, args.last) for p in args.runs]
+    rows = [summarise(p, args.last) for p in _results_files(args.runs)]
     grouped = group_by_seed(rows)
     if args.json:
         print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "config"} for r in rows],
@@ -108,6 +109,31 @@ def cmd_report(args: argparse.Namespace) -> int:
     if len(grouped) < len(rows):  # some runs differ only in their seed
         print("\nover seeds (mean ± sample std):\n" + format_table(grouped))
     return 0
+
+
+def _results_files(paths: list[str]) -> list[Path]:
+    """``mpifl report A B ...``: results files as given; a sweep (or ``--seeds``) folder gives
+    the results its index lists that exist, any other folder the ``*.h5`` files in it.
+
+    Raises:
+        MpiflError: a path that does not exist, or a folder without results.
+    """
+    from mpifl.sweep.plan import INDEX, read_index
+
+    out: list[Path] = []
+    for p in map(Path, paths):
+        if not p.is_dir():
+            out.append(p)  # summarise names a missing or foreign file in one line
+            continue
+        if (p / INDEX).is_file():
+            found = [p / r["results"] for r in read_index(p)["runs"].values()]
+            found = [f for f in found if f.is_file()]
+        else:
+            found = sorted(f for f in p.glob("*.h5") if f.is_file())
+        if not found:
+            raise MpiflError(f"{p}: a folder without results files (*.h5) or sweep runs")
+        out.extend(found)
+    return out
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:

@@ -145,3 +145,30 @@ def test_progress_lines_follow_the_interval_and_every_evaluation(caplog):
     assert last == ("progress: round 6/10 (60%), 1.88 s/round, ETA 0:00:08, peak memory "
                     "1.00 GB/rank, mean acc 0.5000, worst5 0.2500")
     assert not ProgressLog(10, 0, 0.0).round_done(0, row, {"mean": 1.0, "worst5": 1.0})
+
+
+@pytest.mark.slow
+def test_report_lines_up_seed_folders_and_files_and_states_what_it_used(tmp_path):
+    """Two ``--seeds`` folders and a single results file in one ``mpifl report``: every run
+    listed, seeds averaged per setting, no "± 0.00" for a single run, and the number of
+    evaluations actually used (2 here, though 3 are asked for)."""
+    from tests.test_resume import run
+
+    job = _job(tmp_path, "checkpoint_every = 0").read_text()
+    job = job.replace("rounds = 30", "rounds = 4").replace("eval_every = 10", "eval_every = 2")
+    (tmp_path / "job.toml").write_text(job)
+    cfg = str(tmp_path / "job.toml")
+    a, b, single = tmp_path / "fedavg", tmp_path / "qffl", tmp_path / "one.h5"
+    run(1, "run", cfg, "--seeds", "0-1", "--out", str(a))
+    run(1, "run", cfg, "--seeds", "0-1", "--out", str(b), "--set", 'server.algorithm="qfedavg"')
+    run(1, "run", cfg, "--out", str(single), "--set", 'server.algorithm="drfl"')
+    out = _report(a, b, single, "--last", "3")
+    table, _, seeds = out.partition("over seeds")
+    assert table.splitlines()[0].split() == ["metric", "fedavg_seed0", "fedavg_seed1",
+                                             "qfedavg_seed0", "qfedavg_seed1", "one"]
+    assert "(metrics: mean of each run's last 2 evaluations)" in out
+    rows = {line[:19].strip(): line[19:].split("  ") for line in seeds.splitlines()[3:]}
+    cells = [c.strip() for c in rows["mean acc (%)"] if c.strip()]
+    assert len(cells) == 3 and "±" in cells[0] and "±" in cells[1] and "±" not in cells[2]
+    with pytest.raises(subprocess.CalledProcessError):
+        _report(tmp_path / "empty-folder-does-not-exist")

@@ -159,7 +159,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if key not in r:
             return "-"
         text = fmt.format(r[key])
-        return text + " ± " + fmt.format(r[key + "_sd"]) if key + "_sd" in r else text
+        spread = key + "_sd" in r and r.get("seeds", 1) > 1  # one seed: no spread to show
+        return text + " ± " + fmt.format(r[key + "_sd"]) if spread else text
 
     extra = [("seeds", "seeds", "{}")] if any("seeds" in r for r in rows) else []
     lines = [[label] + [cell(r, key, fmt) for r in rows]
@@ -174,7 +175,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
            for line in [header, *lines]]
     out.insert(1, "  ".join("-" * w for w in widths))
     evals = sorted({r["evals"] for r in rows if "evals" in r})
-    if evals and evals != [1]:
+    if evals and evals != [1]:  # what was used: a run with fewer evaluations uses them all
         out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")
     return "\n".join(out)
 

@@ -60,7 +60,8 @@ def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         members = [m for m in listed if m["status"] == "complete"] or listed
         g = {"algorithm": members[0]["algorithm"], "setting": _setting(json.loads(key)),
              "seeds": len(listed), "complete": sum(m["status"] == "complete" for m in listed),
-             "round": min(m["round"] for m in members), "runs": [m["path"] for m in members]}
+             "round": min(m["round"] for m in members), "runs": [m["path"] for m in members],
+             "evals": sorted({m["evals"] for m in members})}
         for metric in ("mean", "std", "worst5", "best5"):
             g[metric], g[metric + "_sd"] = mean_sd([m[metric] for m in members])
         out.append(g)
@@ -78,7 +79,9 @@ def markdown_table(groups: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
         cells = [g["algorithm"], g["setting"], f"{g['complete']}/{g['seeds']}", str(g["round"])]
-        cells += [f"{g[m]:.2f} ± {g[m + '_sd']:.2f}" for m, _ in _COLUMNS]
+        one = len(g["runs"]) < 2  # a single run: no spread to show
+        cells += [f"{g[m]:.2f}" if one else f"{g[m]:.2f} ± {g[m + '_sd']:.2f}"
+                  for m, _ in _COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -149,8 +152,10 @@ def report_sweep(folder: str | Path, as_json: bool = False, last: int = 1) -> in
     groups = group_rows(collect(folder, last))
     if not groups:
         raise OutputError(f"{folder}: no run of this sweep has an evaluation yet")
-    table = markdown_table(groups) + (f"\n\nEach run: the mean of its last {last} evaluations; "
-                                      "then mean ± sample std over seeds." if last > 1 else "")
+    used = sorted({k for g in groups for k in g["evals"]})
+    table = markdown_table(groups) + (
+        f"\n\nEach run: the mean of its last {'/'.join(map(str, used))} evaluation(s) (asked: "
+        f"{last}); then mean ± sample std over seeds." if used != [1] else "")
     (folder / "report.md").write_text(table + "\n")
     write_csv(groups, folder / "report.csv")
     try:
