@@ -172,3 +172,28 @@ def test_report_lines_up_seed_folders_and_files_and_states_what_it_used(tmp_path
     assert len(cells) == 3 and "±" in cells[0] and "±" in cells[1] and "±" not in cells[2]
     with pytest.raises(subprocess.CalledProcessError):
         _report(tmp_path / "empty-folder-does-not-exist")
+
+
+@pytest.mark.slow
+def test_recorded_peak_memory_is_the_ranks_os_peak_after_the_last_evaluation(tmp_path):
+    """/rounds/peak_rss_*_mb of the last round (with its evaluation of every client) match
+    the maximum RSS the OS reports for each rank's process (GNU time's %M), within the few MiB
+    a rank allocates after its last evaluation (writing the results, exiting)."""
+    from tests.helpers import mpiexec
+    from tests.test_resume import ENV
+
+    job = _job(tmp_path, "checkpoint_every = 0")
+    out = tmp_path / "mem.h5"
+    cmd = [mpiexec(), "-n", "3", "/usr/bin/time", "-f", "maxrss %M", sys.executable, "-m",
+           "mpifl", "run", str(job), "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    os_peaks = sorted(int(x.split()[1]) / 1024 for x in proc.stderr.splitlines()
+                      if x.startswith("maxrss "))  # MiB, one line per rank
+    assert len(os_peaks) == 3
+    with h5py.File(out) as f:
+        server = f["rounds/peak_rss_server_mb"][()]
+        worker = f["rounds/peak_rss_worker_mb"][()]
+    assert (np.diff(server) >= 0).all() and (np.diff(worker) >= 0).all()  # peaks only grow
+    recorded = max(server[-1], worker[-1])
+    assert os_peaks[-1] - 32 <= recorded <= os_peaks[-1] + 1, (recorded, os_peaks)

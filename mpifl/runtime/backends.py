@@ -143,6 +143,7 @@ class LocalClients:
         if adapt is not None:
             reply.adapted_accuracy, reply.adapted_loss = evaluate_adapted(
                 self.adapter, self.fed, w, adapt, np.arange(self.fed.num_clients))
+        reply.peak_rss = np.array([float(peak_rss_bytes())])
         return reply
 
     def stop(self, code: int = 0) -> None:

@@ -226,6 +226,8 @@ class EvalReply:
     adapted_accuracy: np.ndarray | None = None  # after local adaptation (run.adapt_epochs)
     adapted_loss: np.ndarray | None = None
     bytes_moved: int = 0
+    #: (size,) float64 every rank's peak resident bytes (getrusage) after the evaluation
+    peak_rss: np.ndarray | None = None
 
 
 class MPITransport:
@@ -426,6 +428,7 @@ class MPITransport:
             reply.adapted_loss = self._gather_f64(counts)
         extra = 2 * ((personal is not None) + (adapt is not None))
         reply.bytes_moved = sent + 8 * k * (2 + width + extra)
+        reply.peak_rss = self._gather_rank_stats(0.0)[:, 1]
         return reply
 
     def stop(self, code: int = 0) -> None:
@@ -544,6 +547,7 @@ class MPITransport:
                   + list(adapted or ()))
         for a in arrays:
             self._gatherv(np.ascontiguousarray(a, np.float64), None, None, self.MPI.DOUBLE)
+        self._gather_rank_stats(0.0)  # peak memory after the evaluation
 
     def _gather_rank_stats(self, seconds: float) -> np.ndarray | None:
         """(size, 2) float64 on rank 0: every rank's [seconds, peak resident bytes]."""

@@ -117,7 +117,7 @@ class Server:
             self.aggregator.observe_params(w)
             summary = None
             if eval_due(rnd, rounds, self.cfg.run.eval_every):
-                row["time_eval"], summary = self._evaluate(rnd, w)
+                row["time_eval"], summary = self._evaluate(rnd, w, row)
                 key = "loss/" if self.regression else ""
                 bar.set_postfix({"loss" if key else "acc": f"{summary[key + 'mean']:.4g}",
                                  "worst5": f"{summary[key + 'worst5']:.4g}"})
@@ -268,12 +268,18 @@ class Server:
         c = self.cfg.client
         return rnd + 1, c.lr * c.lr_decay ** (rnd + 1)
 
-    def _evaluate(self, rnd: int, w: torch.Tensor) -> tuple[float, dict]:
+    def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None) -> tuple[float, dict]:
+        """Evaluate every client; the round's ``row`` gets the peak memory after it."""
         t0 = time.perf_counter()
         rep = self.clients.evaluate(self.aggregator.evaluation_params(w),
                                     self.aggregator.personal_params(w), self._adapt(rnd),
                                     None if self.local is None else self.local.rows)
         acc, loss = rep.accuracy, rep.loss
+        if row is not None and rep.peak_rss is not None:  # evaluation often peaks highest
+            mb = rep.peak_rss / 2**20
+            row["peak_rss_server_mb"] = max(row["peak_rss_server_mb"], float(mb[0]))
+            row["peak_rss_worker_mb"] = max(row["peak_rss_worker_mb"], float(mb[1:].max()
+                                                                             if len(mb) > 1 else mb[0]))
         summary = client_summary(acc, self.fed.num_test)
         if rep.counts is not None:  # summed over clients: the union of all test data
             union = rep.counts.sum(axis=0).reshape(-1, 2, 3)

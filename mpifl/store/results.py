@@ -95,9 +95,11 @@ ROUND_COLUMNS: dict[str, tuple[str, str]] = {
     "time_eval": ("f8", "seconds (0 when the round has no evaluation)"),
     "time_checkpoint": ("f8", "seconds writing the checkpoint after this round (0: none; also 0 "
                               "in the checkpoint's own copy of its last row)"),
-    "peak_rss_server_mb": ("f8", "MiB, peak resident memory of rank 0 so far"),
+    "peak_rss_server_mb": ("f8", "MiB, peak resident memory of rank 0 so far (the OS's "
+                                 "maximum RSS, getrusage; after the round's evaluation too)"),
     "peak_rss_worker_mb": ("f8", "MiB, largest peak resident memory of a worker rank so far "
-                                 "(rank 0 in one process)"),
+                                 "(the OS's maximum RSS, after the round's evaluation too; "
+                                 "rank 0 in one process)"),
 }
 
 #: /rounds columns that are measurements of the machine (times, memory), not results: they
