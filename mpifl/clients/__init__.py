@@ -1,5 +1,6 @@
 """clients — client-side computation: vectorised local training and evaluation of many clients
-at once, FedMeta's server-held meta step, fault injection.
+at once, the per-client loop for any model (BatchNorm, Dropout) and the choice between them,
+FedMeta's server-held meta step, fault injection.
 
 May import: core, metrics, data, models, aggregators.  Never imports: store, runtime or above.
 
@@ -14,6 +15,8 @@ from mpifl.core.wire import Columns
 from mpifl.clients.ditto import DittoTrainer
 from mpifl.clients.mfairfl import LagrangianTrainer
 from mpifl.clients.uga import UGATrainer
+from mpifl.clients.loop import LoopTrainer
+from mpifl.clients.select import select_trainer
 
 #: Local-training kinds an aggregation rule can ask for (``Aggregator.trainer_kind``); a plugin
 #: may add a :class:`VmapTrainer` subclass with ``@TRAINERS.register("kind")``.
@@ -22,5 +25,5 @@ for _kind, _cls in (("sgd", VmapTrainer), ("uga", UGATrainer), ("mfairfl", Lagra
                     ("ditto", DittoTrainer)):
     TRAINERS.add(_kind, _cls)
 
-__all__ = ["TRAINERS", "Columns", "DittoTrainer", "LagrangianTrainer", "UGATrainer", "VmapTrainer",
-           "batch_order", "client_minibatches"]
+__all__ = ["TRAINERS", "Columns", "DittoTrainer", "LagrangianTrainer", "LoopTrainer",
+           "UGATrainer", "VmapTrainer", "batch_order", "client_minibatches", "select_trainer"]

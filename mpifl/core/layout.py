@@ -55,7 +55,8 @@ class ParamLayout:
     """Where every parameter and every layer lives in the flat float32 vector ``w`` of size d.
 
     Attributes:
-        names: parameter names in ``named_parameters()`` order, e.g. ``"fc1.weight"``.
+        names: entry names in :func:`model_state` order (``named_parameters()``, each module's
+            float buffers after its parameters), e.g. ``"fc1.weight"``, ``"bn1.running_mean"``.
         shapes: their shapes.
         numels: their element counts.
         offsets: start of each parameter in w (``offsets[i] : offsets[i] + numels[i]``).
