@@ -355,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--doc", default="docs/REPRODUCTIONS.md", help="the document to write")
     rp.add_argument("--executor", choices=["auto", "slurm", "local"], default="local",
                     help="local (default: here, in the foreground), slurm (submitit; waits), "
-                         "auto: slurm when sbatch is on PATH")
+                         "auto: slurm when sbatch is on PATH and a controller answers, "
+                         "else local")
     rp.add_argument("--only", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="run only the points with this value (repeatable; e.g. run.seed=0)")
     rp.add_argument("--report-only", action="store_true",

@@ -279,8 +279,8 @@ def test_report_of_one_file_still_works(local_sweep, capsys):
 
 
 def test_report_on_a_folder_that_is_not_a_sweep(tmp_path, capsys):
-    assert main(["report", str(tmp_path)]) == 2
-    assert "not a sweep folder" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2  # neither a sweep index nor results files
+    assert "a folder without results files (*.h5) or sweep runs" in capsys.readouterr().err
 
 
 def test_print_args_lists_unfinished_runs_for_the_array_template(local_sweep, tmp_path):
@@ -359,7 +359,9 @@ def test_run_ids_stay_inside_the_runs_folder(tmp_path):
 def test_auto_takes_the_launcher_that_fits_this_machine_best():
     best = choose("auto")
     assert best.affinity() == max(c.affinity() for c in LAUNCHERS.values()) > 0
-    assert (best is SlurmLauncher) == (shutil.which("sbatch") is not None)
+    from mpifl.sweep.launch.slurm import controller
+
+    assert (best is SlurmLauncher) == (shutil.which("sbatch") is not None and controller()[0])
     assert choose("local") is LocalLauncher and LocalLauncher.blocks and not SlurmLauncher.blocks
 
 

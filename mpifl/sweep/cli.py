@@ -19,7 +19,8 @@ def add_sweep_parser(subparsers) -> None:
     s.add_argument("--out", help="sweep folder (default runs/sweeps/<sweep.name>)")
     s.add_argument("--executor", choices=["auto", "slurm", "local"], default="auto",
                    help="slurm (sbatch via submitit), local (mpiexec here, in the foreground), "
-                        "auto: slurm when sbatch is on PATH")
+                        "auto (default): slurm when sbatch is on PATH and a SLURM controller "
+                        "answers (scontrol ping), else local; the choice is logged with why")
     s.add_argument("--wait", action="store_true", help="with slurm: wait until every job is over")
     s.add_argument("--only", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="run only the points with this value (repeatable)")

@@ -32,10 +32,24 @@ TO_START = ("new", "unfinished", "failed")
 
 
 def choose(executor: str) -> type[Launcher]:
-    """The launcher named ``executor``; ``"auto"``: the one that fits this machine best."""
-    if executor == "auto":
-        return max(LAUNCHERS.values(), key=lambda c: c.affinity())
-    return LAUNCHERS[executor]
+    """The launcher named ``executor``, checked to be able to run here; ``"auto"``: the one
+    that fits this machine best (SLURM where sbatch is on PATH and a controller answers, else
+    local), logged in one line with the reason.
+
+    Raises:
+        MpiflError: the launcher named cannot run here (``--executor slurm`` without sbatch
+            or without a controller that answers): one line.
+    """
+    if executor != "auto":
+        LAUNCHERS[executor].require()
+        return LAUNCHERS[executor]
+    fits = {c: c.fit() for c in LAUNCHERS.values()}
+    best = max(fits, key=lambda c: fits[c][0])
+    # why: the launchers that could not run here (those that would have been preferred), else
+    # the winner's own reason
+    why = "; ".join(f[1] for f in fits.values() if f[0] == 0) or fits[best][1]
+    log.info("executor: %s (%s)", best.name, why)
+    return best
 
 
 def survey(sweep: Sweep, folder: Path, points: list[Point]) -> dict[str, RunState]:

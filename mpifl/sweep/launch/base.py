@@ -2,8 +2,8 @@
 
 :meth:`Launcher.launch` is written once: it builds each run's command and job. A launcher
 supplies one hook, :meth:`Launcher._start` (start those jobs its way), says with
-:meth:`Launcher.affinity` how well it fits this machine (``--executor auto`` takes the highest),
-and may put an MPI launcher in front of the command (:meth:`Launcher.prefix`).
+:meth:`Launcher.fit` how well it fits this machine and why (``--executor auto`` takes the
+highest), and may put an MPI launcher in front of the command (:meth:`Launcher.prefix`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import ClassVar
 
+from mpifl.core.errors import MpiflError
 from mpifl.sweep.job import MpiRun, thread_env
 from mpifl.sweep.plan import RunState
 from mpifl.sweep.spec import Sweep
@@ -36,9 +37,25 @@ class Launcher(ABC):
 
     @classmethod
     @abstractmethod
+    def fit(cls) -> tuple[int, str]:
+        """How well this launcher fits this machine, and why in a few words: 0 when it cannot
+        run here at all; among those that can, ``--executor auto`` takes the highest."""
+
+    @classmethod
     def affinity(cls) -> int:
-        """How well this launcher fits this machine: 0 when it cannot run here at all; among
-        those that can, ``--executor auto`` takes the highest."""
+        """The number of :meth:`fit`."""
+        return cls.fit()[0]
+
+    @classmethod
+    def require(cls) -> None:
+        """Check that this launcher can run here, for an explicit ``--executor NAME``.
+
+        Raises:
+            MpiflError: it cannot (one line: why, and what to do).
+        """
+        score, why = cls.fit()
+        if score == 0:
+            raise MpiflError(f"--executor {cls.name}: {why}; pick another --executor")
 
     def launch(self, runs: list[RunState]) -> None:
         """Start every run of ``runs`` as one :class:`MpiRun` job; record in each run its job id,

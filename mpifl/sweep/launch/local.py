@@ -22,8 +22,8 @@ class LocalLauncher(Launcher):
     blocks = True
 
     @classmethod
-    def affinity(cls) -> int:
-        return 1
+    def fit(cls) -> tuple[int, str]:
+        return 1, "runs on this machine"
 
     def prefix(self) -> list[str]:
         if self.sweep.ranks == 1:

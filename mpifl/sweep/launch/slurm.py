@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import time
@@ -23,20 +24,44 @@ from mpifl.sweep.plan import RunState, count_statuses
 
 log = logging.getLogger(__name__)
 
+#: How long ``scontrol ping`` may take before the controller counts as not answering.
+PING_TIMEOUT_S = 10.0
+
+_VERDICT = re.compile(r"\b(is|are) (UP|DOWN)\b")
+
 # squeue states of a job that is over (anything else is still queued, running or requeueing)
 _OVER = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 
 
 class SlurmLauncher(Launcher):
-    """Submits to SLURM; preferred by ``--executor auto`` wherever sbatch is on PATH."""
+    """Submits to SLURM; preferred by ``--executor auto`` where sbatch is on PATH and a
+    SLURM controller answers."""
 
     name = "slurm"
     requeues = True
 
     @classmethod
-    def affinity(cls) -> int:
-        return 2 if shutil.which("sbatch") else 0
+    def fit(cls) -> tuple[int, str]:
+        if shutil.which("sbatch") is None:
+            return 0, "sbatch not found (no SLURM here)"
+        up, answer = controller()
+        if up:
+            return 2, f"sbatch found and the SLURM controller answers: {answer}"
+        note = "" if "SLURM_CONF" in answer else f" ({_conf_note()})"
+        return 0, f"sbatch found but no SLURM controller answers: {answer}{note}"
+
+    @classmethod
+    def require(cls) -> None:
+        """Check that sbatch is here and a controller answers, before anything is written.
+
+        Raises:
+            MpiflError: not so (one line: what was found, and what to do).
+        """
+        score, why = cls.fit()
+        if score == 0:
+            raise MpiflError(f"--executor slurm: {why}; start SLURM (on this machine: "
+                             "slurm/local-cluster.sh up) or use --executor local")
 
     def prefix(self) -> list[str]:
         return ["srun", f"--mpi={self.sweep.slurm.srun_mpi}", f"--ntasks={self.sweep.ranks}",
@@ -108,6 +133,44 @@ class SlurmLauncher(Launcher):
                 log.info("waiting for %d job(s): %s", len(live), count_statuses(live.values()))
                 last = time.monotonic()
             time.sleep(poll_s)
+
+
+def controller(timeout_s: float = PING_TIMEOUT_S) -> tuple[bool, str]:
+    """Whether a SLURM controller answers, and what said so: ``scontrol ping`` (read from its
+    output, as SLURM exits 1 when only a backup controller is down), at most ``timeout_s``.
+
+    scontrol finds the controller in ``$SLURM_CONF`` (else its built-in slurm.conf path, else a
+    DNS SRV record); a ``$SLURM_CONF`` that is no file is told at once (scontrol would retry
+    reading it for a minute).
+    """
+    conf = os.environ.get("SLURM_CONF")
+    if conf == "":
+        return False, "SLURM_CONF is set but empty"
+    if conf is not None and not os.path.isfile(conf):
+        return False, f"SLURM_CONF={conf} is not a file"
+    if shutil.which("scontrol") is None:
+        return False, "scontrol not found on PATH, so nothing can ask the controller"
+    try:
+        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True,
+                              timeout=timeout_s, check=False, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"scontrol ping: no answer within {timeout_s:g} s"
+    except OSError as exc:
+        return False, f"scontrol ping: {exc}"
+    # "Slurmctld(primary) at HOST is UP", one line per controller (primary, backups)
+    said = [line.strip() for line in proc.stdout.splitlines() if _VERDICT.search(line)]
+    up = proc.returncode == 0 or any(_VERDICT.search(line)[2] == "UP" for line in said)
+    if not said:  # no verdict: scontrol's own last error ("fatal: Could not establish ...")
+        errors = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        said = [errors[-1].removeprefix("scontrol: ")] if errors else [
+            f"exit status {proc.returncode}"]
+    return up, "scontrol ping: " + ", ".join(said)
+
+
+def _conf_note() -> str:
+    """Which slurm.conf names the controller, for a message."""
+    conf = os.environ.get("SLURM_CONF")
+    return f"SLURM_CONF={conf}" if conf else "SLURM_CONF unset: SLURM's default slurm.conf"
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
