@@ -32,8 +32,9 @@ Three modes:
 
 - *interleaved* (the default): both in one process, round by round: pfl's training loop calls
   back after each of its rounds, and the callback runs one mpifl round (timed on its own); a
-  pfl round is the time between two callbacks minus the mpifl round inside. In one process
-  pfl's round is slower than alone, which flatters mpifl: prefer ``--separate``.
+  pfl round is the time between two callbacks minus the mpifl round inside. Issue 24 reported
+  pfl's round slower in one process than alone, which would flatter mpifl (not seen in the runs
+  of docs/BENCHMARKS.md); ``--separate`` avoids the question.
 - ``--only mpifl`` / ``--only pfl``: one simulator alone in this process; prints its rounds,
   the CPU other processes used during each round (cores: /proc/stat's busy time less this
   process's own) and a ``RESULT {json}`` line.
@@ -42,11 +43,11 @@ Three modes:
   order reversed every other cycle (A B C, C B A, ...), and prints each run's steady round, the
   median over runs, GFLOP/s, and the ratio pfl/mpifl per trainer.
 
-On a shared machine (other processes on the same cores slow both simulators down 5-10x, and
-not equally) a run's figure is the median of its *quiet* steady rounds, those during which
-other processes used under 0.15 cores, where at least a third of them were quiet (else all,
-marked ``*``); ``--quiet-wait S`` also waits, before each child and before each round (outside
-the timed interval), up to S seconds for a quiet window.
+On a shared machine (another process on the same cores slowed W2's rounds down 3-14x here) a
+run's figure is the median of its *quiet* steady rounds, those during which other processes
+used under 0.15 cores, where at least a third of them were quiet (else all, marked ``*``);
+``--quiet-wait S`` also waits, before each child and before each round (outside the timed
+interval), up to S seconds for a quiet window.
 
 Install pfl-research first (an optional extra; it must not replace the installed torch):
 
@@ -56,7 +57,7 @@ Install pfl-research first (an optional extra; it must not replace the installed
 Run (2 threads, as in docs/BENCHMARKS.md):
 
     python analysis/peer_bench.py --rounds 40 --threads 2                       # W1, interleaved
-    python analysis/peer_bench.py --separate 3 --rounds 40 --threads 2          # W1, separate
+    python analysis/peer_bench.py --separate 3 --rounds 40 --threads 2 --quiet-wait 120  # W1
     python analysis/peer_bench.py --model cnn_mnist --separate 3 --rounds 18 \\
         --warmup 3 --trainer auto,vmap --threads 2 --quiet-wait 120             # W2, separate
 """
