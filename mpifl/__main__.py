@@ -1,7 +1,28 @@
-"""``python -m mpifl`` is the ``mpifl`` command."""
+"""``python -m mpifl`` and the ``mpifl`` command.
+
+The entry point imports nothing heavy before it has set up signals: importing the command line
+takes seconds (torch), and a Ctrl-C there would otherwise print a traceback; for ``run`` and
+``resume`` a signal is recorded instead and the run's set-up stops at its next step, on every
+rank together (:mod:`mpifl.runtime.agreement`).
+"""
 
 import sys
 
-from mpifl.cli import main
 
-sys.exit(main())
+def entry() -> int:
+    """Run the ``mpifl`` command line (``sys.argv``); its exit status."""
+    words = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if words[:1] in (["run"], ["resume"]) and "--seeds" not in sys.argv:
+        from mpifl.runtime.signals import StopRequest
+
+        StopRequest.process()
+    try:
+        from mpifl.cli import main
+    except KeyboardInterrupt:
+        print("mpifl: interrupted", file=sys.stderr)
+        return 130
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(entry())

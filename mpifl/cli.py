@@ -43,21 +43,22 @@ def _csv_ints(text: str) -> list[int]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from mpifl.experiment.config import load_config
-
     if args.seeds is not None:
         return _run_seeds(args)
-
-    cfg = load_config(args.config, args.set)  # validated before any rank does work
-    if args.log:  # --log adds to the job's [run] loggers
-        names = list(dict.fromkeys(cfg.run.loggers + args.log))
-        cfg = load_config(args.config, [*args.set, "run.loggers=" + json.dumps(names)])
-    from mpifl.experiment.naming import default_out
     from mpifl.experiment.run import run_experiment
 
-    out = Path(args.out) if args.out else default_out(cfg.run.name, args.set)
+    def load():  # on every rank; a failure on any rank is agreed on after MPI_Init
+        from mpifl.experiment.config import load_config
+        from mpifl.experiment.naming import default_out
+
+        cfg = load_config(args.config, args.set)  # validated before any rank does work
+        if args.log:  # --log adds to the job's [run] loggers
+            names = list(dict.fromkeys(cfg.run.loggers + args.log))
+            cfg = load_config(args.config, [*args.set, "run.loggers=" + json.dumps(names)])
+        return cfg, Path(args.out) if args.out else default_out(cfg.run.name, args.set)
+
     mode = "resume" if args.resume else "overwrite" if args.overwrite else "new"
-    return run_experiment(cfg, out, mode=mode, progress=not args.no_progress)
+    return run_experiment(load, mode=mode, progress=not args.no_progress)
 
 
 def _run_seeds(args: argparse.Namespace) -> int:
@@ -87,33 +88,46 @@ def _run_seeds(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     from mpifl.experiment.run import run_experiment
 
-    return run_experiment(None, Path(args.run), mode="resume", rounds=args.rounds,
+    return run_experiment(lambda: (None, Path(args.run)), mode="resume", rounds=args.rounds,
                           progress=not args.no_progress)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from mpifl.report.tables import format_table, group_by_seed, summarise
+    """``mpifl report RUNS``: the table of the runs that read; damaged results files are
+    listed (path and reason) and make the exit status 2 (one ``mpifl: error:`` line)."""
+    from mpifl.report.tables import damaged_lines, format_table, group_by_seed, summarise
+    from mpifl.store.results import DamagedResults, read_many
     from mpifl.sweep.plan import INDEX
 
     if args.last < 1:
         raise MpiflError(f"--last {args.last}: expected at least 1 evaluation")
     if len(args.runs) == 1 and (Path(args.runs[0]) / INDEX).is_file():  # one sweep folder
         return report_sweep(args.runs[0], as_json=args.json, last=args.last)
-    rows = [summarise(p, args.last) for p in _results_files(args.runs)]
+    good, damaged = read_many(_results_files(args.runs))
+    if not good:  # nothing to show: the error line names them all
+        raise DamagedResults(damaged)
+    rows = [summarise(res["path"], args.last, res=res) for res in good]
     grouped = group_by_seed(rows)
     if args.json:
         print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "config"} for r in rows],
-                          "over_seeds": grouped}, indent=2))
-        return 0
-    print(format_table(rows))
-    if len(grouped) < len(rows):  # some runs differ only in their seed
-        print("\nover seeds (mean ± sample std):\n" + format_table(grouped))
+                          "over_seeds": grouped,
+                          "damaged": [{"path": str(d.path), "reason": d.reason}
+                                      for d in damaged]}, indent=2))
+    else:
+        print(format_table(rows))
+        if len(grouped) < len(rows):  # some runs differ only in their seed
+            print("\nover seeds (mean ± sample std):\n" + format_table(grouped))
+        if damaged:
+            print("\n" + "\n".join(damaged_lines(damaged)))
+    if damaged:
+        raise DamagedResults(damaged)
     return 0
 
 
 def _results_files(paths: list[str]) -> list[Path]:
     """``mpifl report A B ...``: results files as given; a sweep (or ``--seeds``) folder gives
-    the results its index lists that exist, any other folder the ``*.h5`` files in it.
+    the results its index lists that exist, any other folder the ``*.h5`` files in it (a
+    missing, damaged or foreign one among them is named by the reader, never left out).
 
     Raises:
         MpiflError: a path that does not exist, or a folder without results.
@@ -144,8 +158,13 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
     suites = suite_files(Path(args.suites), args.suite)
     failed = [] if args.report_only else run_suites(suites, Path(args.out), args.executor,
                                                      args.only)
-    summary = write_doc(Path(args.suites), Path(args.out), Path(args.doc), suites, args.last)
+    summary, damaged = write_doc(Path(args.suites), Path(args.out), Path(args.doc), suites,
+                                 args.last)
     print(f"{args.doc}: {summary}")
+    if damaged:  # listed in the document; counted as damaged, not as not run: one line, 2
+        from mpifl.store.results import DamagedResults
+
+        raise DamagedResults(damaged)
     if failed:
         print(f"mpifl: error: suites with runs that did not complete: {', '.join(failed)} "
               f"(their logs: {args.out}/SUITE/logs; repeat the command to resume them)",
@@ -462,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except MpiflError as exc:
         if _env_rank() == 0:
-            print("mpifl: error: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
+            label = getattr(exc, "label", "error")  # "stopped" for a signal during set-up
+            print(f"mpifl: {label}: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
         return exc.exit_status
     except KeyboardInterrupt:
         print("mpifl: interrupted", file=sys.stderr)

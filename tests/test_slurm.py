@@ -156,6 +156,25 @@ def test_one_run_template(cluster, tmp_path):
         assert json.loads(f.attrs["config"])["run"]["seed"] == 3
 
 
+def test_a_set_up_failure_on_one_rank_is_not_requeued(cluster, tmp_path):
+    """Issue 28: a plugin that raises on rank 1 only ends the run-template job with rank 1's
+    line and status 2, once: no retry, no requeue (only status 3 is requeued)."""
+    from tests.test_setup_agreement import JOB, PLUGIN
+
+    (tmp_path / "setup_faults.py").write_text(PLUGIN)
+    (tmp_path / "job.toml").write_text(JOB + f'path = ["{tmp_path}"]\n')
+    proc = sh("sbatch", "--wait", "--output", tmp_path / "run.out",
+              "--export", "ALL,MPIFL_FAULT=import:raise:1", ROOT / "slurm" / "mpifl-run.sbatch",
+              tmp_path / "job.toml", tmp_path / "run.h5", timeout=180, check=False)
+    log = (tmp_path / "run.out").read_text()
+    assert proc.returncode != 0, log[-3000:]
+    assert ("mpifl: error: rank 1: plugins.modules: cannot import 'setup_faults': RuntimeError: "
+            "import fails on rank 1 only") in log, log[-3000:]
+    assert "requeueing" not in log and "trying again" not in log, log[-3000:]
+    assert log.count("mpifl job ") == 1, log[-3000:]  # one start: never requeued
+    assert not (tmp_path / "run.h5").exists()
+
+
 def wait_for_round(ckpt_folder: Path, results: Path, rounds: int, timeout: float = 180) -> int:
     """Poll until a checkpoint after >= ``rounds`` rounds exists; fail if the run ends first."""
     deadline = time.monotonic() + timeout

@@ -2,10 +2,12 @@
 
 Rank 0 takes the run lock, decides how the run starts (new, replacing an old one, or resuming
 from the newest valid checkpoint) and sends the config to every rank as text; every rank then
-builds the same federated data from the same seed. Setup failures of any kind are checked
-collectively (:func:`agree`), so a missing dataset, an unwritable output or a damaged file on any
-rank ends every rank cleanly with one message from rank 0, instead of a hang; a failure during
-the rounds ends every rank too (:func:`_end_all_ranks`).
+builds the same federated data from the same seed. Set-up is one agreed phase
+(:class:`mpifl.runtime.agreement.SetUp`): plugins, config, start plan, data, model and shards are
+steps after which every rank learns whether any rank failed, was stopped by a signal or never
+arrived, so a missing data set, a plugin that raises on one rank or a damaged file ends every
+rank with that rank's one line and status 2, instead of a hang; a failure during the rounds ends
+every rank too (:func:`_end_all_ranks`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 
@@ -31,7 +33,8 @@ from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_
 from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
 from mpifl.aggregators.server_opt import ServerOptimizer, ServerOptimizerParams
 from mpifl.runtime.client_state import LocalCoordinates
-from mpifl.runtime.comm import MPITransport, bcast_text, wait_idle, world
+from mpifl.runtime.agreement import Outcome, SetUp, one_line
+from mpifl.runtime.comm import MPITransport, launched_size, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
 from mpifl.runtime.sharding import ShardServer
@@ -41,7 +44,6 @@ from mpifl.store import checkpoint
 from mpifl.store.results import ResultsWriter, preflight, read_results
 
 log = logging.getLogger("mpifl")
-T = TypeVar("T")
 
 #: Exit status of every rank when a rank failed: that of a user error (one line, status 2),
 #: unless the error says otherwise (:class:`PeerLost`: 4).
@@ -55,40 +57,6 @@ class Start:
     cfg: Config
     ckpt: checkpoint.Checkpoint | None = None
     done: bool = False  # resuming a run that is already complete: nothing to do
-
-
-def agree(comm, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised anywhere, raise :class:`MpiflError` everywhere.
-
-    Any exception counts, not only mpifl's own: a rank that fails with anything while the
-    others wait in this collective would otherwise leave them waiting forever. An unexpected
-    exception becomes a one-line message naming its type (its traceback is logged at debug
-    level, ``mpifl -v``). Setup only (the error strings travel as small Python objects): the
-    hot path never uses it.
-    """
-    error, result = None, None
-    try:
-        result = fn()
-    except MpiflError as exc:
-        error = str(exc)
-    except Exception as exc:  # noqa: BLE001 -- every rank must hear of it
-        error = one_line(exc)
-        log.debug("setup failed", exc_info=True)
-    if comm is not None and comm.Get_size() > 1:
-        errors = comm.allgather(error)
-        error = next((e for e in errors if e), None)
-    if error:
-        raise MpiflError(error)
-    return result
-
-
-def one_line(exc: BaseException) -> str:
-    """A failure as one line: mpifl's own message, or the exception's type and first line."""
-    if isinstance(exc, MpiflError):
-        return str(exc)
-    first = (str(exc).strip().splitlines() or [""])[0]
-    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return f"{what} (unexpected; mpifl -v logs the traceback)"
 
 
 def plan_start(cfg: Config | None, out: Path, mode: str, rounds: int | None = None) -> Start:
@@ -224,13 +192,15 @@ def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
     return start
 
 
-def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: int | None = None,
-                   progress: bool = True) -> int:
+def run_experiment(load: Callable[[], tuple[Config | None, Path]], *, mode: str = "new",
+                   rounds: int | None = None, progress: bool = True) -> int:
     """Run an experiment on all ranks of MPI_COMM_WORLD (or in this process).
 
     Args:
-        cfg: the config, or None to resume with the stored one (``mode="resume"``).
-        out: the results file (written by rank 0); checkpoints go to ``out`` + ``.ckpt``.
+        load: called on every rank before MPI_Init: the config (None to resume with the stored
+            one, ``mode="resume"``) and the results file (written by rank 0; checkpoints go to
+            ``out`` + ``.ckpt``). It imports the plugins, so a failure in it on any rank is
+            agreed on like every other set-up step.
         mode: ``new``, ``overwrite`` or ``resume`` (see :func:`plan_start`).
 
     Returns:
@@ -238,41 +208,43 @@ def run_experiment(cfg: Config | None, out: Path, *, mode: str = "new", rounds: 
         SIGUSR1 stopped the run after a checkpoint.
 
     Raises:
-        MpiflError: bad output path, damaged files, changed config or missing data (on every
-            rank, the same message).
+        MpiflError: bad output path, damaged files, changed config, missing data, a failing
+            plugin (on every rank, the same message); :class:`SetupStopped` for a signal during
+            set-up.
     """
-    # `mpifl resume` reads its stored config after MPI_Init: it gets the default bound
-    comm = world(cfg.run.init_timeout_s if cfg is not None
-                 else RunConfig.model_fields["init_timeout_s"].default)
-    size = comm.Get_size() if comm is not None else 1
-    rank = comm.Get_rank() if comm is not None else 0
-    stop = StopRequest().install()
+    stop = StopRequest.process()
+    loaded = Outcome(load)
+    if loaded.error is not None and launched_size() == 1:
+        loaded.get()  # one process: nothing to agree on, no MPI_Init for a mistyped config
+    run_cfg = loaded.value[0].run if loaded.value and loaded.value[0] else RunConfig()
+    comm = world(run_cfg.init_timeout_s)  # every rank reaches MPI_Init, whatever `load` gave
+    setup = SetUp(comm, run_cfg.setup_timeout_s, stop)
+    cfg, out = setup.settle("plugins and config", loaded)
     lock = RunLock(out)
     try:
-        return _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop)
+        return _run(setup, lock, cfg, out, mode, rounds, progress, stop)
     finally:
         lock.release()
 
 
-def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
-    start = agree(comm, lambda: _plan_locked(lock, cfg, out, mode, rounds, size) if rank == 0
-                  else None)
-    if size > 1:  # workers take the config rank 0 settled on
-        text = bcast_text(comm, start.cfg.to_json() if rank == 0 else None)
-        cfg = agree(comm, lambda: start.cfg if rank == 0 else config_from_json(text))
-    else:
-        cfg = start.cfg
+def _run(setup: SetUp, lock, cfg, out, mode, rounds, progress, stop) -> int:
+    comm, size, rank = setup.comm, setup.size, setup.rank
+    start = setup.step("start plan", lambda: _plan_locked(lock, cfg, out, mode, rounds, size)
+                       if rank == 0 else None)
+    text = setup.share("config", start.cfg.to_json() if rank == 0 else None)
+    cfg = setup.step("config", lambda: start.cfg if rank == 0 else config_from_json(text))
+    setup.timeout_s = cfg.run.setup_timeout_s  # `mpifl resume`: the stored config's bound
     if rank == 0 and start.done:
         log.info("%s is already complete (%d rounds)", out, cfg.run.rounds)
-    if _all(comm, start.done if rank == 0 else None):
+    if setup.share("complete", start.done if rank == 0 else None):
         return 0
-    device = agree(comm, lambda: device_for(cfg, rank))
-    parts = agree(comm, lambda: build_parts(cfg))
-    trainer = agree(comm, lambda: make_trainer(cfg, parts, device) if rank > 0 or size == 1
-                    else None)
-    adapter = agree(comm, lambda: make_adapter(cfg, parts, device, trainer) if rank > 0 or size == 1
-                    else None)
-    hosts = comm.gather(socket.gethostname(), root=0) if size > 1 else [socket.gethostname()]
+    device = setup.step("device", lambda: device_for(cfg, rank))
+    parts = setup.step("data and model", lambda: build_parts(cfg))
+    trainer = setup.step("trainer", lambda: make_trainer(cfg, parts, device)
+                         if rank > 0 or size == 1 else None)
+    adapter = setup.step("adapter", lambda: make_adapter(cfg, parts, device, trainer)
+                         if rank > 0 or size == 1 else None)
+    hosts = setup.gather("hosts", socket.gethostname())
     if rank == 0:
         log.info("%s: %s, %d clients (%d per round), d=%d, %s, %d rank(s)%s", cfg.run.name,
                  cfg.data.dataset, parts.fed.num_clients, cfg.server.clients_per_round,
@@ -288,7 +260,7 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
         except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
             log.debug("run failed", exc_info=True)
             raise MpiflError(one_line(exc)) from None
-    shard = _shard_setup(comm, rank, cfg, parts, start)
+    shard = _shard_setup(setup, cfg, parts, start)
     transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts),
                              peer_timeout=cfg.run.peer_timeout_s,
                              shard_bounds=(shard_bounds(parts.layout.d, cfg.server.shards)
@@ -308,7 +280,7 @@ def _run(comm, size, rank, lock, cfg, out, mode, rounds, progress, stop) -> int:
         raise
 
 
-def _shard_setup(comm, rank: int, cfg: Config, parts, start: Start):
+def _shard_setup(setup: SetUp, cfg: Config, parts, start: Start):
     """A sharded server (``server.shards = P > 1``): ranks 0 .. P-1 build the shard
     communicator, their copy of the rule and their :class:`ShardServer`, restoring their block
     of the rule's state when resuming (from a checkpoint of any P). None elsewhere, and on
@@ -321,10 +293,10 @@ def _shard_setup(comm, rank: int, cfg: Config, parts, start: Start):
     P = cfg.server.shards
     if P == 1:
         return None
-    path = bcast_text(comm, str(start.ckpt.path) if rank == 0 and start.ckpt else "")
-    from mpi4py import MPI
-
-    sub = comm.Split(0 if rank < P else MPI.UNDEFINED, rank)
+    rank = setup.rank
+    path = setup.share("checkpoint path", str(start.ckpt.path) if rank == 0 and start.ckpt
+                       else "")
+    sub = setup.split("shard group", rank < P)
 
     def build():
         if rank >= P:
@@ -341,7 +313,7 @@ def _shard_setup(comm, rank: int, cfg: Config, parts, start: Start):
                                                                       verify_shards=False))
         return shard
 
-    return agree(comm, build)
+    return setup.step("shards", build)
 
 
 def _check_shards(shards: int, size: int) -> None:
@@ -377,13 +349,6 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
     print(f"mpifl: error: rank {rank}: {line}; ending every rank of the job", file=sys.stderr,
           flush=True)
     transport.abort(code)
-
-
-def _all(comm, flag: bool | None) -> bool:
-    """Rank 0's boolean, on every rank."""
-    if comm is None or comm.Get_size() == 1:
-        return bool(flag)
-    return bool(comm.bcast(flag, root=0))
 
 
 def _local_coordinates(parts, ckpt) -> LocalCoordinates | None:

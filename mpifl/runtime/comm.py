@@ -125,13 +125,22 @@ def world(init_timeout_s: float = 0.0):
     watch = init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules
     if watch:  # faulthandler's watchdog is a C thread: it fires inside MPI_Init, where a
         # Python signal handler or thread would wait for the import to give the interpreter back
-        faulthandler.dump_traceback_later(init_timeout_s, exit=True)
+        faulthandler.dump_traceback_later(init_timeout_s, exit=True, file=sys.__stderr__)
     try:
         from mpi4py import MPI
     finally:
         if watch:
             faulthandler.cancel_dump_traceback_later()
     return MPI.COMM_WORLD
+
+
+def launched_size() -> int:
+    """The number of ranks the launcher started (mpiexec, srun), from its environment, before
+    MPI_Init; 1 when started without one."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
 
 
 def local_rank(rank: int) -> int:

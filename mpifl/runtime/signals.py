@@ -14,6 +14,9 @@ import signal
 EXIT_CHECKPOINTED = 3
 
 
+_PROCESS: "StopRequest | None" = None
+
+
 class StopRequest:
     """Set by SIGTERM/SIGUSR1; read by the server loop at the end of each round."""
 
@@ -28,6 +31,17 @@ class StopRequest:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
         return self
+
+    @classmethod
+    def process(cls) -> "StopRequest":
+        """This process's stop request, installed on first use: the command line installs it
+        before its heavy imports (``mpifl run``/``resume``), so a signal during start-up is
+        recorded (and acted on at the next set-up step) instead of raising inside an import or
+        MPI_Init."""
+        global _PROCESS
+        if _PROCESS is None:
+            _PROCESS = cls().install()
+        return _PROCESS
 
     def _handle(self, signum, _frame) -> None:
         if signum == signal.SIGINT and self.reason == "SIGINT":

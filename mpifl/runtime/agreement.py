@@ -1,0 +1,196 @@
+"""Set-up as one agreed phase: every rank runs each step, and all of them learn together whether
+any rank failed, was stopped by a signal or never arrived.
+
+A run's set-up (plugins and config, the start plan, data, model, trainer, shards) is a sequence
+of :meth:`SetUp.step` calls, the same on every rank. After each step the ranks exchange one small
+record: the step's error, if any (one line and its exit status), and the signal that asked this
+rank to stop, if any. So
+
+* an exception on any rank ends every rank with that rank's one-line message and its status (2
+  for a user's mistake), never a hang and never a mix of statuses (mpiexec ORs the ranks'
+  statuses: 2 | 1 would read as 3, "checkpointed, requeue me");
+* a rank that does not reach the end of a step within ``timeout_s`` (it crashed hard, was
+  stopped with SIGSTOP, or hangs) is named by rank 0, which ends the job with ``MPI_Abort``
+  and status 2;
+* SIGINT, SIGTERM or SIGUSR1 during set-up (recorded by :class:`mpifl.runtime.signals.StopRequest`,
+  installed before mpifl's heavy imports) ends every rank at the next step with status 130
+  (SIGINT) or 3 (SIGTERM, SIGUSR1: a preempted job is requeued and resumes where its last
+  checkpoint left it).
+
+The records travel as small Python objects (set-up only: the rounds use flat buffers).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from mpifl.core.errors import EXIT_BAD_INPUT, MpiflError
+from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
+
+log = logging.getLogger("mpifl")
+T = TypeVar("T")
+
+#: Exit status of a command interrupted by SIGINT (128 + 2, as a shell reports it).
+EXIT_INTERRUPTED = 130
+_ARRIVED_TAG = 0x5E7  # a worker's "I finished this step" message to rank 0
+#: extra seconds a worker waits beyond ``timeout_s``, so that rank 0, which can name the rank
+#: that is missing, is the one that ends the job
+WORKER_GRACE_S = 5.0
+
+
+class SetupStopped(MpiflError):
+    """A signal asked a rank to stop during set-up: every rank ends with the signal's status."""
+
+    label = "stopped"
+
+    def __init__(self, signal_name: str, step: str) -> None:
+        super().__init__(f"{signal_name} during set-up ({step}), before the first round; "
+                         + ("run the same command again to start it" if signal_name == "SIGINT"
+                            else "resume continues from the last checkpoint, if any"))
+        self.exit_status = EXIT_INTERRUPTED if signal_name == "SIGINT" else EXIT_CHECKPOINTED
+
+
+def one_line(exc: BaseException) -> str:
+    """A failure as one line: mpifl's own message, or the exception's type and first line."""
+    if isinstance(exc, MpiflError):
+        return str(exc)
+    first = (str(exc).strip().splitlines() or [""])[0]
+    what = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return f"{what} (unexpected; mpifl -v logs the traceback)"
+
+
+class Outcome:
+    """What one rank's attempt at a step gave: a value, or an error line and its status."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.value, self.error, self.status = None, None, EXIT_BAD_INPUT
+        try:
+            self.value = fn()
+        except MpiflError as exc:
+            self.error, self.status = str(exc), exc.exit_status
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it
+            self.error = one_line(exc)
+            log.debug("set-up failed", exc_info=True)
+
+    def get(self):
+        """The value (raises :class:`MpiflError` with the error, if the attempt failed)."""
+        if self.error is not None:
+            raise _error(self.error, self.status)
+        return self.value
+
+
+class SetUp:
+    """The set-up steps of one run on every rank of ``comm`` (None: one process).
+
+    Args:
+        comm: the world communicator (mpi4py), or None.
+        timeout_s: the most seconds a rank waits for the others at the end of a step (0 = no
+            bound); ``run.setup_timeout_s``.
+        stop: this process's stop request (signals seen so far).
+    """
+
+    def __init__(self, comm, timeout_s: float, stop: StopRequest) -> None:
+        self.comm, self.timeout_s, self.stop = comm, float(timeout_s), stop
+        self.size = comm.Get_size() if comm is not None else 1
+        self.rank = comm.Get_rank() if comm is not None else 0
+
+    def step(self, name: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on this rank, then agree with every rank on the outcome.
+
+        Raises:
+            MpiflError: ``fn`` raised on some rank: that rank's one line ("rank r: ..." when not
+                every rank failed) and its exit status, on every rank.
+            SetupStopped: a rank received SIGINT, SIGTERM or SIGUSR1.
+        """
+        return self.settle(name, Outcome(fn))
+
+    def settle(self, name: str, outcome: Outcome) -> T:
+        """Agree on an outcome computed already (the config, loaded before MPI_Init)."""
+        mine = (outcome.error, outcome.status, self.stop.reason)
+        records = [mine]
+        if self.size > 1:
+            self._arrive(name)
+            records = self.comm.allgather(mine)
+        failed = [(r, err, status) for r, (err, status, _) in enumerate(records) if err]
+        if failed:
+            r, err, status = failed[0]
+            partial = self.size > 1 and len(failed) < self.size
+            raise _error(f"rank {r}: {err}" if partial else err, status)
+        if signal := next((sig for _, _, sig in records if sig), None):
+            raise SetupStopped(signal, name)
+        return outcome.value
+
+    def share(self, name: str, value: T | None) -> T:
+        """Rank 0's ``value`` on every rank (a small object: a path, the config's JSON)."""
+        if self.size == 1:
+            return value
+        self._arrive(name)
+        return self.comm.bcast(value, root=0)
+
+    def gather(self, name: str, value: T) -> list[T] | None:
+        """Every rank's ``value`` on rank 0 (None elsewhere)."""
+        if self.size == 1:
+            return [value]
+        self._arrive(name)
+        return self.comm.gather(value, root=0)
+
+    def split(self, name: str, member: bool):
+        """A communicator of the ranks with ``member`` True, in rank order (None elsewhere)."""
+        from mpi4py import MPI
+
+        self._arrive(name)
+        return self.comm.Split(0 if member else MPI.UNDEFINED, self.rank)
+
+    def _arrive(self, name: str) -> None:
+        """Wait, within ``timeout_s``, until every rank has finished step ``name``; otherwise end
+        the job (``MPI_Abort``, status 2), rank 0 naming the ranks that did not arrive."""
+        if not self.timeout_s:
+            return
+        from mpi4py import MPI
+
+        flag = np.zeros(1, np.int8)
+        if self.rank == 0:
+            reqs = [self.comm.Irecv([np.zeros(1, np.int8), MPI.INT8_T], source=r, tag=_ARRIVED_TAG)
+                    for r in range(1, self.size)]
+            missing = _wait(reqs, self.timeout_s)
+            if missing:
+                ranks = ", ".join(str(i + 1) for i in missing)
+                self._abort(f"rank(s) {ranks} did not finish set-up step '{name}' within "
+                            f"run.setup_timeout_s = {self.timeout_s:g} s (failed hard, stopped or "
+                            "hung; their own output may say why)")
+            self.comm.Ibarrier().Wait()  # all have arrived (a blocking Barrier would not match)
+            return
+        send = self.comm.Isend([flag, MPI.INT8_T], dest=0, tag=_ARRIVED_TAG)
+        if _wait([send, self.comm.Ibarrier()], self.timeout_s + WORKER_GRACE_S):
+            self._abort(f"rank 0 or another rank did not finish set-up step '{name}' within "
+                        f"run.setup_timeout_s = {self.timeout_s:g} s")
+
+    def _abort(self, line: str) -> None:
+        print(f"mpifl: error: rank {self.rank}: {line}; ending every rank of the job",
+              file=sys.stderr, flush=True)
+        time.sleep(0.5)  # let mpiexec forward the line before the job is torn down
+        self.comm.Abort(EXIT_BAD_INPUT)
+
+
+def _wait(requests, timeout_s: float) -> list[int]:
+    """Test ``requests`` until all complete or ``timeout_s`` passes, sleeping between tests
+    (no spinning: ranks share cores). The indices of those still pending ([] when all done)."""
+    pending, pause, start = list(range(len(requests))), 1e-4, time.monotonic()
+    while pending:
+        pending = [i for i in pending if not requests[i].Test()]
+        if pending and time.monotonic() - start > timeout_s:
+            return pending
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    return []
+
+
+def _error(message: str, status: int) -> MpiflError:
+    exc = MpiflError(message)
+    exc.exit_status = status
+    return exc
