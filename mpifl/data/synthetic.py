@@ -19,6 +19,8 @@ its own generator ``default_rng([seed, tag, k])``, so client k's data does not d
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mpifl.core.rng import SYNTHETIC_TAG
@@ -27,6 +29,8 @@ NUM_FEATURES = 60
 NUM_CLASSES = 10
 MIN_SAMPLES_PER_CLIENT = 50
 MAX_SAMPLES_PER_CLIENT = 1000
+#: n_k's lognormal law: the mean and standard deviation of log n (numpy's mean, sigma)
+LOG_MEAN, LOG_SIGMA = 4.0, 2.0
 
 # Feature j (1-based) has variance j^-1.2: later features carry less signal.
 _FEATURE_STD = (np.arange(1, NUM_FEATURES + 1, dtype=np.float64) ** -0.6).astype(np.float32)
@@ -34,8 +38,18 @@ _FEATURE_STD = (np.arange(1, NUM_FEATURES + 1, dtype=np.float64) ** -0.6).astype
 
 def _num_samples(rng: np.random.Generator) -> int:
     """n_k, the first draw of client k's generator."""
-    n = int(rng.lognormal(4.0, 2.0)) + MIN_SAMPLES_PER_CLIENT
+    n = int(rng.lognormal(LOG_MEAN, LOG_SIGMA)) + MIN_SAMPLES_PER_CLIENT
     return min(n, MAX_SAMPLES_PER_CLIENT)
+
+
+def expected_samples_per_client() -> float:
+    """E[n_k] of :func:`_num_samples`'s law, without drawing: ``min(floor(X) + 50, 1000)`` with
+    ``log X ~ N(4, 2^2)`` has mean ``50 + sum_{j=1}^{950} P(X >= j)`` (about 236.8). What a
+    client costs on average, for estimating a run's memory before any client is drawn."""
+    z = LOG_SIGMA * math.sqrt(2.0)
+    tail = sum(0.5 * math.erfc((math.log(j) - LOG_MEAN) / z)
+               for j in range(1, MAX_SAMPLES_PER_CLIENT - MIN_SAMPLES_PER_CLIENT + 1))
+    return MIN_SAMPLES_PER_CLIENT + tail
 
 
 def _fill_client(rng: np.random.Generator, alpha: float, beta: float,

@@ -21,6 +21,7 @@ from mpifl.core.errors import ConfigError, MpiflError
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
+from mpifl.experiment.budget import check_budget
 from mpifl.experiment.config import Config
 from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
@@ -52,7 +53,11 @@ def device_for(cfg: Config, rank: int) -> torch.device:
 
 
 def build_parts(cfg: Config) -> Parts:
-    """Data, model and initial parameters, identical on every rank for the same config."""
+    """Data, model and initial parameters, identical on every rank for the same config.
+
+    Refuses first, before any data or model is built, a config whose run would not fit in this
+    node's memory (:func:`mpifl.experiment.budget.check_budget`)."""
+    check_budget(cfg)
     d = cfg.data
     fed = load_federated(
         d.dataset, partition=d.partition, num_clients=d.num_clients, seed=cfg.run.seed,

@@ -73,6 +73,10 @@ class RunConfig(_Section):
     # exits with status 1 and the launcher ends the job, which a SLURM job then launches again;
     # 0 = forever
     init_timeout_s: float = Field(300.0, ge=0.0, le=1e7)
+    # seconds a rank waits for the others at each step of set-up (plugins, config, data, model,
+    # checkpoint) before ending every rank with status 2: a rank that failed hard or was stopped
+    # there; 0 = forever. Above the slowest rank's set-up step (reading a large checkpoint)
+    setup_timeout_s: float = Field(600.0, ge=0.0, le=1e7)
     # evaluation after local adaptation: at every evaluation each client also trains the global
     # model for this many epochs of plain local SGD on its training split (client section's
     # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
@@ -96,9 +100,13 @@ class DataConfig(_Section):
     num_clients: int = Field(100, ge=1, le=INT32_MAX)
     train_fraction: float = Field(0.8, gt=0.0, lt=1.0)
     data_root: str | None = None
-    classes_per_client: int = Field(2, ge=1)
+    # pathological's k; the partition refuses more than the data set's classes
+    classes_per_client: int = Field(2, ge=1, le=INT32_MAX)
     dirichlet_alpha: float = Field(0.5, gt=0.0)
-    classes: list[int] = Field(default_factory=lambda: [0, 2, 6], min_length=1)
+    # one_class_per_client's classes, one per client; the partition refuses classes the data set
+    # lacks
+    classes: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
+        default_factory=lambda: [0, 2, 6], min_length=1)
     synthetic_alpha: float = Field(1.0, ge=0.0)
     synthetic_beta: float = Field(1.0, ge=0.0)
     # group_skew (mFairFL): a preset of the paper (5 clients) or explicit shares per group
@@ -321,7 +329,8 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 #: clients are chunked in memory — never what is computed.
 RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.checkpoint_minutes",
                   "run.progress_every_s", "run.loggers",
-                  "run.peer_timeout_s", "run.init_timeout_s", "data.data_root",
+                  "run.peer_timeout_s", "run.init_timeout_s", "run.setup_timeout_s",
+                  "data.data_root",
                   "plugins.path",
                   "server.device", "server.shards", "client.memory_budget_mb"}
 
