@@ -153,7 +153,8 @@ def test_a_rank_stopped_during_set_up_is_named_and_the_job_ends(job, tmp_path):
     assert took < 6 + 30
 
 
-@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 3)])
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 3),
+                                        (signal.SIGUSR1, 3)])
 def test_a_signal_during_set_up_ends_every_rank_cleanly(job, tmp_path, sig, status):
     """The signal reaches every rank while rank 1 is still importing the plugins (it waits
     there): each records it, and at the end of that step all of them stop together."""
