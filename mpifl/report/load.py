@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from mpifl.core.errors import OutputError
-from mpifl.store.results import read_results
+from mpifl.store.results import DamagedResults, read_many
 from mpifl.store.sweep_index import INDEX, read_index
 
 #: ``xarray.concat`` fill values of variables that are not floats (padding of shorter runs).
@@ -49,15 +49,20 @@ def load(source: str | Path | Iterable[str | Path]):
         and ``label``; accuracies float64 fractions, counts int64.
 
     Raises:
-        OutputError: a path that is neither a results file nor a sweep folder, a damaged or
-            foreign file, or no run to load.
+        DamagedResults: results files that cannot be read (damaged, truncated, empty, not
+            HDF5, foreign or missing), every one named with its reason.
+        OutputError: a path that is neither a results file nor a sweep folder, or no run to
+            load.
     """
     import xarray as xr
 
     runs = _sources(source)
     if not runs:
         raise OutputError(f"{source}: no results to load")
-    results = [(rid, read_results(path), params) for rid, path, params in runs]
+    good, damaged = read_many(path for _, path, _ in runs)
+    if damaged:  # every file is needed: name all that cannot be read, in one line
+        raise DamagedResults(damaged)
+    results = [(rid, res, params) for (rid, _, params), res in zip(runs, good)]
     # a key swept for some runs only (uga.eta_g in a grid with FedAvg) is a coordinate of all
     varying = sorted(set(_varying_keys([r["config"] for _, r, _ in results]))
                      .union(*(params for _, _, params in results)))

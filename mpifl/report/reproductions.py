@@ -39,7 +39,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mpifl.core.errors import ConfigError, OutputError
-from mpifl.store.results import read_results
+from mpifl.store.results import Damaged, read_many
 from mpifl.store.sweep_index import INDEX, read_index
 
 #: The metrics a row may name, their unit in the table, and how they come from a results file.
@@ -149,11 +149,13 @@ def run_metric(res: dict[str, Any], metric: str, last: int) -> float:
 
 @dataclass
 class Measured:
-    """mpifl's side of a row: one value per seed (complete runs only) and what is missing."""
+    """mpifl's side of a row: one value per seed (complete runs only), what is missing and
+    what is damaged."""
 
     values: list[float] = field(default_factory=list)
     seeds: list[int] = field(default_factory=list)
     missing: int = 0  # runs of the row not complete (not run, running, failed)
+    damaged: list[Damaged] = field(default_factory=list)  # results files that cannot be read
 
     @property
     def mean(self) -> float:
@@ -179,7 +181,9 @@ class Measured:
 
 
 def measure(row: FigureRow, folder: Path, last: int) -> Measured:
-    """The runs of ``folder`` (a sweep folder) that ``row.select`` picks, over all seeds."""
+    """The runs of ``folder`` (a sweep folder) that ``row.select`` picks, over all seeds: a
+    run without a results file, or not complete, is missing; one whose results file cannot
+    be read is damaged (``Measured.damaged``), never counted as missing."""
     out = Measured()
     if not (folder / INDEX).exists():
         return out
@@ -188,8 +192,14 @@ def measure(row: FigureRow, folder: Path, last: int) -> Measured:
         if any(params.get(k, _absent) != v for k, v in row.select.items()):
             continue
         path = folder / run["results"]
+        good, damaged = read_many([path]) if path.exists() else ([], [])
+        out.damaged += damaged
+        if damaged:
+            continue
         try:
-            res = read_results(path)
+            if not good:
+                raise OutputError("not run")
+            res = good[0]
             if res["attrs"].get("status") != "complete":
                 raise OutputError("not complete")
             out.values.append(run_metric(res, row.metric, last))
@@ -200,17 +210,18 @@ def measure(row: FigureRow, folder: Path, last: int) -> Measured:
     return out
 
 
-def suite_seconds(folder: Path) -> list[float]:
+def suite_seconds(folder: Path, damaged: list[Damaged] | None = None) -> list[float]:
     """Each complete run's summed round times (seconds: broadcast, training, gather,
-    aggregation, evaluation, checkpoint) in the sweep folder ``folder``."""
+    aggregation, evaluation, checkpoint) in the sweep folder ``folder``; the results files
+    that cannot be read are added to ``damaged`` when given."""
     out = []
     if not (folder / INDEX).exists():
         return out
-    for run in read_index(folder)["runs"].values():
-        try:
-            res = read_results(folder / run["results"])
-        except OutputError:
-            continue
+    paths = [folder / run["results"] for run in read_index(folder)["runs"].values()]
+    good, bad = read_many(p for p in paths if p.exists())
+    if damaged is not None:
+        damaged += bad
+    for res in good:
         if res["attrs"].get("status") == "complete":
             out.append(float(sum(res["rounds"][c].sum() for c in res["rounds"]
                                  if c.startswith("time_"))))
@@ -235,7 +246,9 @@ def order_verdicts(rows: list[FigureRow], measured: list[Measured]) -> dict[str,
     for claim in {r.claim for r in rows if r.claim and r.rank}:
         members = [(r.rank, m.mean) for r, m in zip(rows, measured) if r.claim == claim and r.rank]
         if any(math.isnan(mean) for _, mean in members):
-            out[claim] = "not run"
+            empty = [m for r, m in zip(rows, measured) if r.claim == claim and r.rank
+                     and not m.values]
+            out[claim] = "damaged" if any(m.damaged for m in empty) else "not run"
             continue
         ok = all(a_mean < b_mean for a_rank, a_mean in members for b_rank, b_mean in members
                  if a_rank < b_rank)
@@ -250,16 +263,20 @@ def _fmt(x: float) -> str:
 
 
 def render(rows: list[FigureRow], measured: list[Measured], *, command: str, machine: str,
-           suites: dict[str, tuple[str, list[float]]], last: int) -> str:
-    """The Markdown document: a summary, one table per section, each suite's departures from
-    its paper and the time its runs took (``suites``: name -> (the suite file's header, each
-    complete run's seconds))."""
+           suites: dict[str, tuple[str, list[float]]], last: int,
+           damaged: list[Damaged] = ()) -> str:
+    """The Markdown document: a summary, the results files that cannot be read (``damaged``:
+    left out of every figure; a row with only damaged runs has the verdict *damaged*), one
+    table per section, each suite's departures from its paper and the time its runs took
+    (``suites``: name -> (the suite file's header, each complete run's seconds))."""
     orders = order_verdicts(rows, measured)
     verdicts = []
     for r, m in zip(rows, measured):
         v = verdict(r.value, r.sd, m.mean) if r.value is not None else orders.get(r.claim, "-")
         if r.value is None and r.claim is None:
             v = "-"
+        if r.value is not None and not m.values and m.damaged:
+            v = "damaged"
         verdicts.append(v)
     lines = ["# Reproductions", "",
              "Generated by `" + command + "` from the HDF5 results; do not edit by hand.", "",
@@ -274,7 +291,12 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
     claims = list(orders.values())
     claim_counts = {v: claims.count(v) for v in sorted(set(claims), key=_verdict_rank)}
     lines += ["Summary: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + "; order claims: "
-              + (", ".join(f"{n} {v}" for v, n in claim_counts.items()) or "none") + ".", ""]
+              + (", ".join(f"{n} {v}" for v, n in claim_counts.items()) or "none")
+              + (f"; {len(damaged)} damaged results file(s), left out" if damaged else "")
+              + ".", ""]
+    if damaged:
+        lines += [f"Damaged results files, left out of every figure below ({len(damaged)}):", ""]
+        lines += [f"- `{d.path}`: {d.reason}" for d in damaged] + [""]
     for section in dict.fromkeys(r.section for r in rows):
         idx = [i for i, r in enumerate(rows) if r.section == section]
         lines += [f"## {section}", "",
@@ -286,7 +308,9 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
             paper = (r.paper_text or "-" if r.value is None
                      else _fmt(r.value) + (f" ± {_fmt(r.sd)}" if r.sd else ""))
             mine = m.shown()
-            seeds = f"{len(m.values)}" + (f" (+{m.missing} not done)" if m.missing else "")
+            more = ([f"+{m.missing} not done"] if m.missing else []) + (
+                [f"+{len(m.damaged)} damaged"] if m.damaged else [])
+            seeds = f"{len(m.values)}" + (f" ({', '.join(more)})" if more else "")
             diff = ("-" if r.value is None or not m.values or math.isinf(m.mean)
                     else f"{m.mean - r.value:+.1f}")
             claim = f"{r.claim} #{r.rank}" if r.claim and r.rank else "-"

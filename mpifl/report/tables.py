@@ -40,17 +40,19 @@ def run_status(path: str | Path, res: dict[str, Any]) -> str:
     return f"interrupted at round {done} ({tail})"
 
 
-def summarise(path: str | Path, last: int = 1) -> dict[str, Any]:
+def summarise(path: str | Path, last: int = 1,
+              res: dict[str, Any] | None = None) -> dict[str, Any]:
     """A run's metrics averaged over its last ``last`` evaluations, as plain numbers
     (accuracies and violations in percent or percentage points; DP/EO/AP as fractions).
 
     Averaging a few evaluations steadies the comparison: between evaluations a non-IID run's
-    mean accuracy swings by several points.
+    mean accuracy swings by several points. ``res``: the file's :func:`read_results`, when
+    already read (e.g. by :func:`mpifl.store.results.read_many`).
 
     Raises:
         OutputError: unreadable or foreign file, or a run with no evaluation yet.
     """
-    res = read_results(path)
+    res = read_results(path) if res is None else res
     ev = res["eval"]
     if ev["round"].size == 0:
         raise OutputError(f"{path}: the run has no evaluation yet")
@@ -179,3 +181,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")
     return "\n".join(out)
 
+
+def damaged_lines(damaged) -> list[str]:
+    """What a summary prints (and writes, in Markdown) about the results files it could not
+    read (:class:`mpifl.store.results.Damaged`): a heading, then ``- PATH: reason`` each."""
+    return ([f"damaged results files, left out of the figures above ({len(damaged)}):"]
+            + [f"- {d.path}: {d.reason}" for d in damaged])

@@ -57,7 +57,7 @@ from mpifl.core.version import __version__
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import clean_stale_temporaries
 from mpifl.metrics.summary import LOSS_SUMMARY_KEYS, SUMMARY_KEYS
-from mpifl.store.sealed import open_verified, write_atomic
+from mpifl.store.sealed import open_verified, reason, write_atomic
 
 SCHEMA_VERSION = 2
 #: Versions :func:`read_results` reads (older ones are converted to the current units).
@@ -149,14 +149,21 @@ def preflight(path: Path) -> None:
     """
     if path.is_dir():
         raise OutputError(f"--out {path}: is a directory, expected a .h5 file path")
+    probe = path.parent / f".{path.name}.preflight-{os.getpid()}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.parent / f".{path.name}.preflight-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"ok")
-        probe.unlink()
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, b"ok")  # unbuffered: a full disk fails here, not at a later close
+        finally:
+            os.close(fd)
     except OSError as exc:
-        raise OutputError(f"--out {path}: cannot write there ({exc.strerror})") from None
+        raise OutputError(f"--out {path}: cannot write there ({reason(exc)})") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 class MetricHistory:
@@ -527,3 +534,65 @@ def _plain(v: Any) -> Any:
     if isinstance(v, np.generic):
         return v.item()
     return v
+
+
+# -- reading many results files: the one route every summary and reader takes ------------------
+
+from typing import NamedTuple  # noqa: E402  (kept with the code that uses it)
+
+
+class Damaged(NamedTuple):
+    """A results file that cannot be read: its path (as given) and why, in a few words."""
+
+    path: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path} ({self.reason})"
+
+
+class DamagedResults(OutputError):
+    """Results files that cannot be read (damaged, truncated, empty, foreign, missing), all named
+    in one line: ``N damaged results file(s): PATH (reason); PATH (reason)``."""
+
+    def __init__(self, damaged: list[Damaged]) -> None:
+        self.damaged = list(damaged)
+        super().__init__(f"{len(self.damaged)} damaged results file(s): "
+                         + "; ".join(map(str, self.damaged)))
+
+
+def damage_reason(path: str | Path, exc: OutputError) -> str:
+    """Why ``path`` could not be read, from :func:`read_results`'s error, without the path."""
+    text = " ".join(str(exc).split())
+    text = text.removeprefix(f"{path}: ")
+    try:
+        if Path(path).is_file() and Path(path).stat().st_size == 0:
+            return "empty: 0 bytes"
+    except OSError:
+        pass
+    text = text.removeprefix("unreadable results file: ").removeprefix("damaged results file: ")
+    if text.startswith("damaged results file (") and text.endswith(")"):
+        return text[len("damaged results file ("):-1]  # "checksum mismatch"
+    inner = text.removeprefix("cannot read as HDF5 (").removesuffix(")")
+    if inner.startswith(("not an HDF5", "truncated")):  # "truncated: 10 of 20 bytes ..."
+        return inner
+    return text
+
+
+def read_many(paths) -> tuple[list[dict[str, Any]], list[Damaged]]:
+    """Read every results file of ``paths`` with :func:`read_results`.
+
+    Returns:
+        ``(good, damaged)``: the results of the files that read (in order; each has its
+        ``"path"``), and a :class:`Damaged` (path, reason) for every other one — damaged,
+        truncated, empty, not HDF5, foreign or missing. Summaries show ``good`` and name every
+        entry of ``damaged`` (then exit 2: :class:`DamagedResults`); readers that need every
+        file raise ``DamagedResults(damaged)``.
+    """
+    good, damaged = [], []
+    for path in paths:
+        try:
+            good.append(read_results(path))
+        except OutputError as exc:
+            damaged.append(Damaged(Path(path), damage_reason(path, exc)))
+    return good, damaged

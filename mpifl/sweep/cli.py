@@ -7,9 +7,11 @@ import argparse
 import shlex
 from pathlib import Path
 
+from mpifl.store.results import DamagedResults
 from mpifl.sweep.launch import TO_START, choose, run_sweep, survey
 from mpifl.sweep.plan import INDEX, RunState, count_statuses, grid_points, select
 from mpifl.sweep.spec import Sweep, load_sweep
+from mpifl.sweep.status import damaged_runs
 
 
 def add_sweep_parser(subparsers) -> None:
@@ -34,7 +36,7 @@ def add_sweep_parser(subparsers) -> None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     """Run ``mpifl sweep``: exit 0 when submitted (or all complete with --wait), 1 when a run
-    ended without completing, 2 for a bad sweep file (one line)."""
+    ended without completing, 2 for a bad sweep file or a damaged results file (one line)."""
     sweep = load_sweep(args.sweep)
     folder = Path(args.out) if args.out else Path("runs") / "sweeps" / sweep.name
     if args.dry_run or args.print_args:
@@ -43,6 +45,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     runs = run_sweep(sweep, folder, executor=launcher.name, wait=args.wait, only=args.only)
     print(format_runs(runs))
     print(f"index: {folder / INDEX}")
+    _fail_on_damage(folder, runs)
     if not launcher.blocks and not args.wait:
         return 0
     return 0 if all(r.status == "complete" for r in runs.values()) else 1
@@ -57,10 +60,24 @@ def _preview(sweep: Sweep, folder: Path, args: argparse.Namespace) -> int:
             if r.status in TO_START:
                 sets = [x for o in r.overrides for x in ("--set", o)]
                 print(shlex.join([str(sweep.base), "--out", str(folder / r.results), *sets]))
+        _fail_on_damage(folder, runs)
         return 0
     print(format_runs(runs))
     print(f"{len(runs)} runs: {count_statuses(r.status for r in runs.values())}")
+    _fail_on_damage(folder, runs)
     return 0
+
+
+def _fail_on_damage(folder: Path, runs: dict[str, RunState]) -> None:
+    """After the listing: runs whose results file cannot be read end the command with one
+    line naming each (exit status 2); they are not started again over their files.
+
+    Raises:
+        DamagedResults: at least one run is damaged.
+    """
+    damaged = damaged_runs(folder, runs)
+    if damaged:
+        raise DamagedResults(damaged)
 
 
 def format_runs(runs: dict[str, RunState]) -> str:

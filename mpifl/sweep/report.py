@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from mpifl.core.errors import OutputError
-from mpifl.report.tables import mean_sd
+from mpifl.report.tables import damaged_lines, mean_sd
+from mpifl.store.results import Damaged, DamagedResults
 from mpifl.sweep.plan import INDEX, read_index
-from mpifl.sweep.status import results_status
+from mpifl.sweep.status import read_run
 
 SEED_KEYS = ("run.seed",)
 
@@ -24,7 +25,9 @@ _COLUMNS = [("mean", "mean acc (%)"), ("std", "std (pp)"), ("worst5", "worst 5% 
 def collect(folder: Path, last: int = 1) -> list[dict[str, Any]]:
     """One row per run of the sweep in ``folder`` that has an evaluation: its params and
     :func:`mpifl.report.tables.summarise` metrics (accuracies in %, std in percentage points),
-    each the mean of the run's last ``last`` evaluations.
+    each the mean of the run's last ``last`` evaluations; and one row per run whose results
+    file cannot be read: its params, path and ``damaged`` (the reason). Runs without a
+    results file yet are left out.
 
     Raises:
         OutputError: no index in ``folder``, or one that is not a sweep index.
@@ -37,10 +40,16 @@ def collect(folder: Path, last: int = 1) -> list[dict[str, Any]]:
     rows = []
     for rid, run in read_index(folder)["runs"].items():
         path = folder / run["results"]
-        if results_status(path) is None:
+        res, damage = read_run(path)
+        if damage is not None:
+            rows.append({"id": rid, "params": run["params"], "path": path,
+                         "damaged": damage.reason})
             continue
+        if res is None:
+            continue  # not run yet
         try:
-            rows.append({"id": rid, "params": run["params"], "path": path, **summarise(path, last)})
+            rows.append({"id": rid, "params": run["params"], "path": path,
+                         **summarise(path, last, res=res)})
         except OutputError:
             continue  # no evaluation yet
     return rows
@@ -49,7 +58,9 @@ def collect(folder: Path, last: int = 1) -> list[dict[str, Any]]:
 def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Group runs that differ only in their seed; mean and sample std (n-1) over the seeds of
     mean accuracy, std, worst 5% and best 5% (0 std for one seed). Only a group's complete runs
-    count, unless none is complete yet (then its latest evaluations, marked 0/n)."""
+    count, unless none is complete yet (then its latest evaluations, marked 0/n). Damaged runs
+    (rows with ``damaged``) count among the group's seeds, never as complete nor in a figure
+    (``damaged``: how many; a group with only damaged runs has None for every figure)."""
     groups: dict[str, list] = {}
     for row in rows:
         key = json.dumps({k: v for k, v in row["params"].items() if k not in SEED_KEYS},
@@ -57,13 +68,22 @@ def group_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(key, []).append(row)
     out = []
     for key, listed in groups.items():
-        members = [m for m in listed if m["status"] == "complete"] or listed
-        g = {"algorithm": members[0]["algorithm"], "setting": _setting(json.loads(key)),
-             "seeds": len(listed), "complete": sum(m["status"] == "complete" for m in listed),
-             "round": min(m["round"] for m in members), "runs": [m["path"] for m in members],
+        bad = [m for m in listed if "damaged" in m]
+        read = [m for m in listed if "damaged" not in m]
+        members = [m for m in read if m["status"] == "complete"] or read
+        params = json.loads(key)
+        g = {"algorithm": (members[0]["algorithm"] if members
+                           else str(params.get("server.algorithm", "?"))),
+             "setting": _setting(params),
+             "seeds": len(listed), "complete": sum(m["status"] == "complete" for m in read),
+             "damaged": len(bad),
+             "damaged_runs": [{"path": str(m["path"]), "reason": m["damaged"]} for m in bad],
+             "round": min((m["round"] for m in members), default=None),
+             "runs": [m["path"] for m in members],
              "evals": sorted({m["evals"] for m in members})}
         for metric in ("mean", "std", "worst5", "best5"):
-            g[metric], g[metric + "_sd"] = mean_sd([m[metric] for m in members])
+            g[metric], g[metric + "_sd"] = (mean_sd([m[metric] for m in members]) if members
+                                            else (None, None))
         out.append(g)
     return out
 
@@ -78,10 +98,14 @@ def markdown_table(groups: list[dict[str, Any]]) -> str:
     head = ["algorithm", "setting", "seeds done", "rounds"] + [label for _, label in _COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in groups:
-        cells = [g["algorithm"], g["setting"], f"{g['complete']}/{g['seeds']}", str(g["round"])]
+        done = f"{g['complete']}/{g['seeds']}"
+        if g.get("damaged"):
+            done += f" ({g['damaged']} damaged)"
+        cells = [g["algorithm"], g["setting"], done,
+                 "-" if g["round"] is None else str(g["round"])]
         one = len(g["runs"]) < 2  # a single run: no spread to show
-        cells += [f"{g[m]:.2f}" if one else f"{g[m]:.2f} ± {g[m + '_sd']:.2f}"
-                  for m, _ in _COLUMNS]
+        cells += ["-" if g[m] is None else f"{g[m]:.2f}" if one
+                  else f"{g[m]:.2f} ± {g[m + '_sd']:.2f}" for m, _ in _COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -89,7 +113,7 @@ def markdown_table(groups: list[dict[str, Any]]) -> str:
 def write_csv(groups: list[dict[str, Any]], path: Path) -> None:
     """The table as CSV: one row per group, ``metric`` and ``metric_sd`` columns."""
     keys = ["algorithm", "setting", "seeds", "complete", "round"]
-    keys += [k for m, _ in _COLUMNS for k in (m, m + "_sd")]
+    keys += [k for m, _ in _COLUMNS for k in (m, m + "_sd")] + ["damaged"]
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         w.writeheader()
@@ -98,7 +122,9 @@ def write_csv(groups: list[dict[str, Any]], path: Path) -> None:
 
 def plot_curves(groups: list[dict[str, Any]], folder: Path) -> list[Path]:
     """Mean accuracy (%) and std (pp) against rounds, averaged over seeds: ``curves.png`` with
-    every algorithm and setting, and ``curves-<algorithm>.png`` with one algorithm's settings."""
+    every algorithm and setting, and ``curves-<algorithm>.png`` with one algorithm's settings
+    (groups whose every run is damaged have no curve)."""
+    groups = [g for g in groups if g["runs"]]
     algos = list(dict.fromkeys(g["algorithm"] for g in groups))
     written = [_plot(groups, "all algorithms", folder / "curves.png",
                      lambda g: f"{g['algorithm']} {g['setting']}".removesuffix(" -"))]
@@ -144,18 +170,27 @@ def _mean_curves(paths: list[Path]):
 
 def report_sweep(folder: str | Path, as_json: bool = False, last: int = 1) -> int:
     """``mpifl report DIR``: print the table; write report.md, report.csv and curves PNGs.
+    Runs whose results file cannot be read are counted as damaged in their group, listed
+    (path and reason) below the table, and end the command with one line (exit status 2).
 
     Raises:
+        DamagedResults: after the table, when a run's results file cannot be read.
         OutputError: not a sweep folder, or no run has an evaluation yet.
     """
     folder = Path(folder)
-    groups = group_rows(collect(folder, last))
-    if not groups:
+    rows = collect(folder, last)
+    damaged = [Damaged(r["path"], r["damaged"]) for r in rows if "damaged" in r]
+    groups = group_rows(rows)
+    if not any(g["runs"] for g in groups):
+        if damaged:
+            raise DamagedResults(damaged)
         raise OutputError(f"{folder}: no run of this sweep has an evaluation yet")
     used = sorted({k for g in groups for k in g["evals"]})
     table = markdown_table(groups) + (
         f"\n\nEach run: the mean of its last {'/'.join(map(str, used))} evaluation(s) (asked: "
         f"{last}); then mean ± sample std over seeds." if used != [1] else "")
+    if damaged:
+        table += "\n\n" + "\n".join(damaged_lines(damaged))
     (folder / "report.md").write_text(table + "\n")
     write_csv(groups, folder / "report.csv")
     try:
@@ -170,4 +205,6 @@ def report_sweep(folder: str | Path, as_json: bool = False, last: int = 1) -> in
         print(table)
         print(f"\nwritten: " + ", ".join(str(p) for p in [folder / "report.md",
                                                             folder / "report.csv", *pngs]))
+    if damaged:
+        raise DamagedResults(damaged)
     return 0

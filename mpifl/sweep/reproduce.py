@@ -17,6 +17,7 @@ from pathlib import Path
 from mpifl.core.errors import ConfigError, OutputError
 from mpifl.report.reproductions import (load_figures, measure, render, suite_header,
                                         suite_seconds)
+from mpifl.store.results import Damaged
 from mpifl.sweep.launch import choose, run_sweep
 from mpifl.sweep.spec import load_sweep
 
@@ -55,9 +56,11 @@ def run_suites(suites: dict[str, Path], out: Path, executor: str, only: list[str
     return failed
 
 
-def write_doc(folder: Path, out: Path, doc: Path, suites: dict[str, Path], last: int) -> str:
+def write_doc(folder: Path, out: Path, doc: Path, suites: dict[str, Path],
+              last: int) -> tuple[str, list[Damaged]]:
     """Write ``doc`` (atomically: a temporary file renamed over it) from the results under
-    ``out``; return the summary line.
+    ``out``; return the summary line and the results files that could not be read (listed in
+    the document, left out of its figures; the caller ends with them: exit status 2).
 
     Raises:
         ConfigError: a bad figures file, or one naming a suite that has no file.
@@ -70,9 +73,12 @@ def write_doc(folder: Path, out: Path, doc: Path, suites: dict[str, Path], last:
             raise ConfigError(f"{folder / FIGURES}: suite {r.suite!r} has no file in {folder}")
     rows = [r for r in rows if r.suite in suites]
     measured = [measure(r, out / r.suite, last) for r in rows]
-    text = render(rows, measured, command=_command(), machine=_machine(),
-                  suites={n: (suite_header(p), suite_seconds(out / n)) for n, p in suites.items()
-                          if any(r.suite == n for r in rows)}, last=last)
+    damaged = [d for m in measured for d in m.damaged]
+    times = {n: (suite_header(p), suite_seconds(out / n, damaged)) for n, p in suites.items()
+             if any(r.suite == n for r in rows)}
+    damaged = list({d.path: d for d in damaged}.values())  # each file once, first seen first
+    text = render(rows, measured, command=_command(), machine=_machine(), suites=times,
+                  last=last, damaged=damaged)
     if not doc.parent.is_dir():
         raise OutputError(f"{doc}: folder {doc.parent} does not exist")
     tmp = doc.with_name(f".{doc.name}.{os.getpid()}.tmp")
@@ -82,7 +88,7 @@ def write_doc(folder: Path, out: Path, doc: Path, suites: dict[str, Path], last:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"{doc}: cannot write: {exc.strerror}") from None
-    return next(line for line in text.splitlines() if line.startswith("Summary:"))
+    return next(line for line in text.splitlines() if line.startswith("Summary:")), damaged
 
 
 def _command() -> str:

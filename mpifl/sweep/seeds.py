@@ -15,9 +15,12 @@ import tomli_w
 from mpifl.core.errors import ConfigError
 from mpifl.experiment.config import load_config, parse_override
 from mpifl.experiment.naming import default_out
+from mpifl.store.results import DamagedResults
 from mpifl.sweep.launch import run_sweep
 from mpifl.sweep.plan import RunState
+from mpifl.sweep.report import report_sweep
 from mpifl.sweep.spec import load_sweep
+from mpifl.sweep.status import damaged_runs
 
 SWEEP_FILE = "seeds.toml"
 
@@ -53,6 +56,7 @@ def run_seeds(job: Path, overrides: list[str], seeds: list[int], folder: Path,
     Raises:
         ConfigError: an invalid job or override (checked before anything is written), or a
             folder whose earlier ``seeds.toml`` ran another experiment.
+        DamagedResults: a run's results file cannot be read (after the report of the others).
     """
     cfg = load_config(job, overrides)  # every problem of the job, before anything is written
     fixed = {}
@@ -68,4 +72,9 @@ def run_seeds(job: Path, overrides: list[str], seeds: list[int], folder: Path,
     path = folder / SWEEP_FILE
     path.write_text("# written by: mpifl run --seeds (rerun: mpifl sweep THIS_FILE --executor "
                     f"local --out {folder})\n" + tomli_w.dumps(spec))
-    return run_sweep(load_sweep(path), folder, executor="local")
+    runs = run_sweep(load_sweep(path), folder, executor="local")
+    damaged = damaged_runs(folder, runs)
+    if damaged:  # not started again over its file: the report of the others, then one line
+        report_sweep(folder, last=3)
+        raise DamagedResults(damaged)
+    return runs

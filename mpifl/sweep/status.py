@@ -11,26 +11,44 @@ import re
 from pathlib import Path
 
 from mpifl.core.errors import ConfigError, OutputError
+from mpifl.store.results import Damaged, read_many
 from mpifl.sweep.plan import RunState
+
+#: The status of a run whose results file cannot be read (:func:`refresh`); a launch does not
+#: start it again over the file, and every command that lists runs names it and exits 2.
+DAMAGED = "damaged"
+DAMAGED_PREFIX = "damaged results file: "
 
 
 def refresh(folder: Path, runs: dict[str, RunState], live: dict[str, str]) -> None:
     """Update each run's status: complete (results say so), queued/running (a live job in
-    ``live``), unfinished (results or checkpoints on disk), failed (its log has an error), new
-    (nothing yet)."""
+    ``live``), damaged (its results file cannot be read: the reason in ``error``), unfinished
+    (results or checkpoints on disk), failed (its log has an error), new (nothing yet)."""
     for r in runs.values():
         if r.status == "invalid":
             continue
+        if r.error and r.error.startswith(DAMAGED_PREFIX):
+            r.error = None  # an earlier survey's finding: looked at again below
         state = live.get(r.job_id or "")
         path = folder / r.results
-        if results_status(path) == "complete" and _rounds_done(path, r.config):
+        res, damage = read_run(path)
+        if (res is not None and res["attrs"].get("status") == "complete"
+                and _rounds_done(res, r.config)):
             r.status, r.error = "complete", None
         elif state is not None:
             r.status = "running" if state in ("RUNNING", "COMPLETING") else "queued"
+        elif damage is not None:  # never started again over it: named, left for the user
+            r.status, r.error = DAMAGED, DAMAGED_PREFIX + damage.reason
         else:
             r.error = log_error(folder, r.log) if r.log else r.error
             started = path.exists() or path.with_name(path.name + ".ckpt").exists()
             r.status = "failed" if r.error else "unfinished" if started else "new"
+
+
+def damaged_runs(folder: Path, runs: dict[str, RunState]) -> list[Damaged]:
+    """The runs that :func:`refresh` found damaged: their results path and the reason."""
+    return [Damaged(folder / r.results, r.error.removeprefix(DAMAGED_PREFIX))
+            for r in runs.values() if r.status == DAMAGED and r.error]
 
 
 def log_error(folder: Path, log_path: str) -> str | None:
@@ -52,27 +70,22 @@ def log_error(folder: Path, log_path: str) -> str | None:
     return None
 
 
-def results_status(path: Path) -> str | None:
-    """The ``status`` attribute of a results file; None when it cannot be read (missing, or
-    being written by a running job)."""
-    import h5py
-
-    try:
-        with h5py.File(path, "r") as f:
-            status = f.attrs.get("status")
-    except OSError:
-        return None
-    return status.decode() if isinstance(status, bytes) else status
+def read_run(path: Path) -> tuple[dict | None, Damaged | None]:
+    """A sweep run's results file, verified (:func:`mpifl.store.results.read_many`):
+    ``(results, None)``, ``(None, Damaged)`` when it cannot be read, or ``(None, None)`` when
+    there is none yet (files are replaced atomically, so a running job's is never half
+    written)."""
+    if not path.exists():
+        return None, None
+    good, damaged = read_many([path])
+    return (good[0], None) if good else (None, damaged[0])
 
 
-def _rounds_done(path: Path, config: dict | None) -> bool:
+def _rounds_done(res: dict, config: dict | None) -> bool:
     """A complete results file ran as many rounds as the sweep now asks for."""
-    from mpifl.store.results import read_results
-
     if config is None:
         return True
-    stored = read_results(path)["config"]
-    return stored.get("run", {}).get("rounds") == config["run"]["rounds"]
+    return res["config"].get("run", {}).get("rounds") == config["run"]["rounds"]
 
 
 def check_unchanged(folder: Path, runs: dict[str, RunState]) -> None:
