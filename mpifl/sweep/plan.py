@@ -114,7 +114,7 @@ class RunState:
     params: dict[str, Any]
     overrides: list[str]
     results: str  # relative to the sweep folder
-    status: str = "new"  # new | queued | running | unfinished | failed | complete | invalid
+    status: str = "new"  # new | queued | running | unfinished | failed | complete | invalid | damaged (results file fails its checksum or checks: named, never re-run by itself)
     config: dict | None = None
     job_id: str | None = None
     log: str | None = None
