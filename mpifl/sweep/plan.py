@@ -114,7 +114,9 @@ class RunState:
     params: dict[str, Any]
     overrides: list[str]
     results: str  # relative to the sweep folder
-    status: str = "new"  # new | queued | running | unfinished | failed | complete | invalid | damaged (results file fails its checksum or checks: named, never re-run by itself)
+    # new | queued | running | unfinished | failed | complete | invalid | damaged (the results
+    # file fails its checksum or value checks: named by every reader, never re-run by itself)
+    status: str = "new"
     config: dict | None = None
     job_id: str | None = None
     log: str | None = None
