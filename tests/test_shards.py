@@ -54,9 +54,9 @@ def test_every_rule_says_whether_it_supports_shards():
         assert rule(name).shards_note, name
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_sharded_steps_equal_the_one_rank_steps(ranks):
-    out = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT)],
+@pytest.mark.parametrize("ranks,flags", [(2, []), (3, []), (4, []), (3, ["--nonblocking"])])
+def test_sharded_steps_equal_the_one_rank_steps(ranks, flags):
+    out = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), *flags],
                          capture_output=True, text=True, timeout=300)
     lines = [l for l in out.stdout.splitlines() if l.startswith(("OK", "FAIL"))]
     assert out.returncode == 0 and len(lines) == 10 and all(l.startswith("OK") for l in lines), \

@@ -14,19 +14,25 @@ Blocks need no alignment to layer boundaries: a layer cut by a block boundary co
 partial Gram matrix on each side, and their sum is the layer's Gram matrix. Each shard sees the
 layer map clipped to its block (:func:`local_layers`; a layer outside it is an empty slice).
 
-The totals are reduced to shard 0 and broadcast back (not MPI_Allreduce): the MPI standard does
-not promise that an Allreduce of floats gives bit-identical results on every rank, and the shards
-must take identical decisions (FedFV's projections, a QP's active set) from them.
+The totals must be identical bit for bit on every shard (the runtime reduces them to shard 0 and
+broadcasts them back, not MPI_Allreduce: the MPI standard does not promise that an Allreduce of
+floats gives bit-identical results on every rank), because the shards must take identical
+decisions (FedFV's projections, a QP's active set) from them.
+
+This module never sees MPI: a :class:`ShardGroup` talks to the other shards through the narrow
+:class:`ShardCollectives` interface, which the runtime implements over a communicator
+(:class:`mpifl.runtime.shard_comm.MPIShardCollectives`).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import numpy as np
 import torch
 
-__all__ = ["ShardGroup", "local_layers", "shard_bounds"]
+__all__ = ["ShardCollectives", "ShardGroup", "local_layers", "shard_bounds"]
 
 #: block boundaries are multiples of this many float32 (64 bytes: whole cache lines)
 ALIGN = 16
@@ -78,24 +84,49 @@ def row_sq_norms(X: torch.Tensor, finite: bool = False,
     return out
 
 
+class ShardCollectives(Protocol):
+    """The collectives a :class:`ShardGroup` needs among its P shards (all rooted at shard 0;
+    every shard calls each one, in the same order). The runtime's implementation is
+    :class:`mpifl.runtime.shard_comm.MPIShardCollectives`.
+
+    Attributes:
+        size: P (>= 2). index: this shard's j in ``[0, P)``.
+    """
+
+    size: int
+    index: int
+
+    def allsum_f64(self, flat: np.ndarray) -> None:
+        """Replace the contiguous (n,) float64 ``flat`` by the sum over shards of every
+        shard's ``flat``, in place, identical bit for bit on every shard."""
+
+    def gatherv_f32(self, block: np.ndarray, out: np.ndarray | None, counts: np.ndarray,
+                    displs: np.ndarray) -> None:
+        """Shard 0: fill the float32 ``out`` with every shard j's contiguous float32 ``block``
+        (``counts[j]`` values) at offset ``displs[j]``; other shards pass ``out = None``."""
+
+    def bcast(self, arr: np.ndarray) -> None:
+        """Shard 0's contiguous ``arr`` (any numeric dtype; same shape and dtype on every
+        shard), written in place into the others'."""
+
+
 class ShardGroup:
     """The P shard ranks of a sharded server, as seen by one of them.
 
     Args:
-        comm: an mpi4py intracommunicator of the P shard ranks (shard j = its rank j), or None
-            for a single shard (P = 1: every method is the identity; the rank-0 server).
+        collectives: how this shard talks to the others (:class:`ShardCollectives`, shard j =
+            its ``index`` j), or None for a single shard (P = 1: every method is the
+            identity; the rank-0 server).
         d: number of parameters of the full vector.
-        wait: completes a nonblocking MPI request (the runtime's peer-timeout wait), or None
-            to use the blocking collectives.
 
     Attributes:
         size: P. index: this shard's j. bounds: :func:`shard_bounds`. lo, hi: this block.
     """
 
-    def __init__(self, comm, d: int, wait=None) -> None:
-        self.comm, self.wait = comm, wait
-        self.size = 1 if comm is None else comm.Get_size()
-        self.index = 0 if comm is None else comm.Get_rank()
+    def __init__(self, collectives: ShardCollectives | None, d: int) -> None:
+        self.collectives = collectives
+        self.size = 1 if collectives is None else int(collectives.size)
+        self.index = 0 if collectives is None else int(collectives.index)
         self.d = d
         self.bounds = shard_bounds(d, self.size)
         self.lo, self.hi = int(self.bounds[self.index]), int(self.bounds[self.index + 1])
@@ -121,7 +152,7 @@ class ShardGroup:
 
     def allsum(self, x) -> np.ndarray:
         """The sum over shards of every shard's partial ``x`` (array-like of float64 numbers),
-        identical bit for bit on every shard (reduced to shard 0, then broadcast).
+        identical bit for bit on every shard (:meth:`ShardCollectives.allsum_f64`).
 
         Returns:
             a float64 numpy array of ``x``'s shape (a 0-d array for a scalar).
@@ -130,49 +161,28 @@ class ShardGroup:
         self.local_seconds += t0 - self.last_allsum_end
         buf = np.array(x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x,
                        dtype=np.float64, copy=True)
-        if self.comm is None or self.size == 1:
+        if self.collectives is None or self.size == 1:
             self.last_allsum_end = time.perf_counter()
             return buf
-        from mpi4py import MPI
-
-        flat = buf.reshape(-1)
-        total = np.empty_like(flat) if self.index == 0 else None
-        self._run("Reduce", [flat, MPI.DOUBLE], [total, MPI.DOUBLE] if total is not None else None,
-                  op=MPI.SUM)
-        if self.index == 0:
-            flat[:] = total
-        self._run("Bcast", [flat, MPI.DOUBLE])
+        self.collectives.allsum_f64(buf.reshape(-1))
         self.last_allsum_end = time.perf_counter()
         self.allsum_seconds += self.last_allsum_end - t0
         return buf
-
-    def _run(self, name: str, *args, **kwargs) -> None:
-        """The collective ``name`` rooted at shard 0: blocking, or its nonblocking form
-        completed by :attr:`wait` (so a lost shard cannot hold the others forever)."""
-        if self.wait is None:
-            getattr(self.comm, name)(*args, root=0, **kwargs)
-        else:
-            self.wait(getattr(self.comm, "I" + name.lower())(*args, root=0, **kwargs))
 
     def gather(self, block: np.ndarray) -> np.ndarray | None:
         """Shard 0: the full (d,) float32 vector from every shard's (hi - lo,) block (a step or
         the model); other shards: None."""
         block = np.ascontiguousarray(block, dtype=np.float32)
-        if self.comm is None or self.size == 1:
+        if self.collectives is None or self.size == 1:
             return block
-        from mpi4py import MPI
-
         out = np.empty(self.d, dtype=np.float32) if self.index == 0 else None
-        counts = self.counts
-        displs = self.bounds[:-1]
-        self._run("Gatherv", [block, MPI.FLOAT],
-                  [out, counts, displs, MPI.FLOAT] if out is not None else None)
+        self.collectives.gatherv_f32(block, out, self.counts, self.bounds[:-1])
         return out
 
     def bcast(self, x: np.ndarray) -> np.ndarray:
         """Shard 0's array ``x`` (any numeric dtype; same shape and dtype on every shard),
         in place on the others; returned."""
-        if self.comm is None or self.size == 1:
+        if self.collectives is None or self.size == 1:
             return x
-        self._run("Bcast", x)
+        self.collectives.bcast(x)
         return x

@@ -57,6 +57,7 @@ from mpifl.aggregators import RoundUpdates, rule
 from mpifl.aggregators.shards import ShardGroup
 from mpifl.bench.aggregation import (EXTRAS, Extras, _takes, aligned, machine_info,
                                      torch_threads, write_attrs)
+from mpifl.runtime.shard_comm import MPIShardCollectives
 
 CHUNK = 1 << 14        # parameters per generated column chunk
 _ROWS = 256            # rows generated at once (a 16 MiB transient)
@@ -201,7 +202,7 @@ def bench_sharded(comm, algorithms: Sequence[str], ms: Sequence[int], ds: Sequen
 
 def _case(comm, alg: str, m: int, d: int, tau: int | None, repeats: int, warmup: int,
           seed: int) -> dict | None:
-    group = ShardGroup(comm, d)
+    group = _group(comm, d)
     reset_peak()
     base = rss_mb()
     fed = tau if tau is not None else 1
@@ -271,7 +272,7 @@ def _check(comm, alg, m, d, tau, seed) -> tuple[int, int, float]:
     """The sharded step against P = 1 on (min(m, CHECK_M), min(d, CHECK_D))."""
     cm, cd = min(m, CHECK_M), min(d, CHECK_D)
     fed = tau if tau is not None else 1
-    group = ShardGroup(comm, cd)
+    group = _group(comm, cd)
     agg, current = _fed_rule(group, alg, cm, cd, tau, fed, seed)
     full = group.gather(agg.aggregate(current).numpy())
     if group.index != 0:
@@ -279,6 +280,11 @@ def _check(comm, alg, m, d, tau, seed) -> tuple[int, int, float]:
     one, cur = _fed_rule(ShardGroup(None, cd), alg, cm, cd, tau, fed, seed)
     want = one.aggregate(cur).numpy()
     return cm, cd, float(np.abs(full - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def _group(comm, d: int) -> ShardGroup:
+    """This rank's shard of ``comm`` (None: the one shard)."""
+    return ShardGroup(None if comm is None else MPIShardCollectives(comm), d)
 
 
 def _gather(comm, x: float) -> list[float]:

@@ -37,6 +37,7 @@ from mpifl.runtime.agreement import Outcome, SetUp, one_line
 from mpifl.runtime.comm import MPITransport, launched_size, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
+from mpifl.runtime.shard_comm import MPIShardCollectives
 from mpifl.runtime.sharding import ShardServer
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
 from mpifl.runtime.worker import serve
@@ -304,7 +305,8 @@ def _shard_setup(setup: SetUp, cfg: Config, parts, start: Start):
         timeout = cfg.run.peer_timeout_s
         wait = None if not timeout else (lambda req: wait_idle(
             req, max_sleep=0.0, timeout=timeout, waiting_for="another shard rank"))
-        group = ShardGroup(sub, parts.layout.d, wait)
+        group = ShardGroup(MPIShardCollectives(sub, wait) if sub is not None else None,
+                           parts.layout.d)
         shard = ShardServer(group, make_aggregator(cfg, parts),
                             [layer.slice for layer in parts.layout.layers], parts.fed.num_train,
                             cfg.server.max_update_norm, trainer_columns(cfg, parts))

@@ -3,7 +3,10 @@ on one rank (the oracle), over several rounds of synthetic updates with partial 
 (so FedFV's and FedLF's sharded history rings are used). Prints one ``OK rule max_rel`` line per
 rule on rank 0, or ``FAIL ...`` and exits 1.
 
-    mpiexec -n 3 python tests/mpi/shard_steps.py [--rounds 6]
+    mpiexec -n 3 python tests/mpi/shard_steps.py [--rounds 6] [--nonblocking]
+
+``--nonblocking``: the shards' collectives in their nonblocking forms, completed by the
+runtime's peer-timeout wait (as with ``run.peer_timeout_s > 0``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from mpi4py import MPI
 
 from mpifl.aggregators import RoundUpdates, create
 from mpifl.aggregators.shards import ShardGroup, local_layers
+from mpifl.runtime.comm import wait_idle
+from mpifl.runtime.shard_comm import MPIShardCollectives
 
 #: (rule, parameters): the supporting rules, with history on where a rule keeps one
 RULES = [("fedavg", {}), ("fedprox", {}), ("drfl", {}), ("uga", {"eta_g": 1.5}),
@@ -42,12 +47,15 @@ def rounds(d: int, count: int, seed: int = 0):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--nonblocking", action="store_true")
     args = ap.parse_args()
     comm = MPI.COMM_WORLD
     bounds = np.cumsum([0, *LAYERS])
     layers = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
     d = int(bounds[-1])
-    group = ShardGroup(comm, d)
+    wait = (lambda req: wait_idle(req, max_sleep=0.0, timeout=120.0,
+                                  waiting_for="another shard rank")) if args.nonblocking else None
+    group = ShardGroup(MPIShardCollectives(comm, wait), d)
     failed = False
     for name, params in RULES:
         sharded, oracle = create(name, **params), create(name, **params)
