@@ -19,7 +19,8 @@ from torch import nn
 
 from mpifl.clients.loop import LoopTrainer, step_seed
 from mpifl.clients.select import select_trainer
-from mpifl.clients.trainer import VmapTrainer, client_minibatches
+from mpifl.clients.minibatches import client_minibatches
+from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model, get_loss, model_traits

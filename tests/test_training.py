@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from mpifl.clients import VmapTrainer, batch_order, client_minibatches
-from mpifl.clients.trainer import step_widths
+from mpifl.clients.minibatches import step_widths
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
 

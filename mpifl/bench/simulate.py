@@ -10,7 +10,7 @@ per round. Each timed round trains the same m clients from the same global param
   ``vmap(grad)`` step for all clients of a chunk per step index, padded minibatches);
 - **sequential**: :func:`sequential_train`, what other simulators do — one client at a time,
   a ``torch.optim.SGD`` on one ``nn.Module``, the same minibatch order
-  (:func:`mpifl.clients.trainer.client_minibatches`).
+  (:func:`mpifl.clients.minibatches.client_minibatches`).
 
 Both report the updates ``u_k = w - w_k`` and each client's loss of w before training; their
 largest difference is printed (they must agree to float rounding). The round's w then moves by
@@ -44,7 +44,8 @@ from torch.nn.utils import parameters_to_vector
 from tqdm.auto import tqdm
 
 from mpifl.bench.aggregation import bench_device, machine_info, torch_threads
-from mpifl.clients.trainer import VmapTrainer, client_minibatches
+from mpifl.clients.minibatches import client_minibatches
+from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.rng import BENCH_SIMULATE_TAG
 
 #: the main job, the default base of the workload (when the repository's jobs/ is at hand)
@@ -61,7 +62,7 @@ def sequential_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torc
 
     Same contract as :meth:`mpifl.clients.VmapTrainer.train`: client ``client_ids[i]`` trains
     for ``epochs`` epochs of minibatches of ``batch_size`` (0: full batch) in the order of
-    :func:`~mpifl.clients.trainer.client_minibatches`, starting from w; ``model`` is overwritten
+    :func:`~mpifl.clients.minibatches.client_minibatches`, starting from w; ``model`` is overwritten
     (its parameters are set from w for every client).
 
     Returns:

@@ -9,7 +9,8 @@ and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019) and
 :mod:`mpifl.clients.mfairfl` (mFairFL's Lagrangian local training, Su et al. 2024).
 """
 
-from mpifl.clients.trainer import VmapTrainer, batch_order, client_minibatches
+from mpifl.clients.minibatches import batch_order, client_minibatches
+from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.registry import Registry
 from mpifl.core.wire import Columns
 from mpifl.clients.ditto import DittoTrainer

@@ -3,7 +3,7 @@
 Each selected client, one after the other, loads the round's global state w into a private copy
 of the model, puts it in train mode and runs FedAvg's local update (McMahan et al., AISTATS
 2017; ALGORITHMS.md §1) with ``torch.optim.SGD``: E epochs over the minibatches of
-:func:`~mpifl.clients.trainer.client_minibatches`, the same minibatches, momentum, weight decay
+:func:`~mpifl.clients.minibatches.client_minibatches`, the same minibatches, momentum, weight decay
 and FedProx term as the vectorised trainers, so on the models those accept it is their oracle.
 
 What the vectorised trainers cannot do, this one does exactly:
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mpifl.clients.trainer import VmapTrainer, client_minibatches
+from mpifl.clients.minibatches import client_minibatches
+from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.layout import ParamLayout, model_state
 from mpifl.core.rng import LAYER_TAG
 from mpifl.core.wire import Columns

@@ -17,6 +17,11 @@ samples, hence fewer or smaller minibatches, are padded and masked instead of lo
 A client's update depends only on w, its samples and ``(seed, round, client_id)``: not on which
 other clients share its chunk, on the chunking, or on the order of clients (up to float rounding
 of differently shaped batched kernels).
+
+This module is the training (schedule, step, chunk); the trainer's other jobs live beside it and
+its methods delegate to them: the keyed minibatch order in :mod:`mpifl.clients.minibatches`, the
+memory plan (chunks of clients, blocks of rows) in :mod:`mpifl.clients.memory`, the evaluators
+and per-client statistics in :mod:`mpifl.clients.evaluation`.
 """
 
 from __future__ import annotations
@@ -30,57 +35,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
+from mpifl.clients import evaluation, memory
+from mpifl.clients.minibatches import batch_order, step_widths
 from mpifl.clients.stacked import stacked_ce_grad, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
 from mpifl.models.losses import Loss, get_loss
 
-# Rough float32 copies of d per client alive during one step: parameters, gradient, momentum,
-# the masked step, and backward temporaries (weight gradients before they are returned).
-_PARAM_COPIES = 8
-# Activations are kept by the forward pass and met again by their gradients in the backward.
-_ACTIVATION_COPIES = 3
-
-
-def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int,
-                tag: int | None = None) -> np.ndarray:
-    """Order in which client ``client_id`` visits its n samples in ``epoch`` of ``round``.
-
-    A permutation of ``range(n)`` (int64) from ``np.random.default_rng([seed, round, client_id,
-    epoch])`` (ALGORITHMS.md §1), so it does not depend on the rank or chunk a client is trained in.
-    With a ``tag`` (e.g. :data:`mpifl.core.rng.ADAPT_TAG`) the key is ``[seed, round, client_id,
-    epoch, tag]``: a stream of its own, apart from training's.
-    """
-    key = [int(seed), int(round), int(client_id), int(epoch)] + ([] if tag is None else [int(tag)])
-    rng = np.random.default_rng(key)
-    return rng.permutation(int(n)).astype(np.int64, copy=False)
-
-
-def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
-                       batch_size: int, tag: int | None = None):
-    """ALGORITHMS.md §1's minibatches of one client in one round, for per-client loops (the oracles
-    and the sequential baseline of ``mpifl bench simulate``).
-
-    Yields (b,) int64 positions into the client's n samples: E epochs, each in
-    :func:`batch_order` (keyed with ``tag`` when given) cut into runs of ``batch_size`` (the last
-    may be shorter); one batch of all n in order per epoch when ``batch_size`` is 0.
-    """
-    size = n if batch_size == 0 else batch_size
-    for epoch in range(epochs):
-        order = (np.arange(n) if batch_size == 0
-                 else batch_order(seed, round, client_id, epoch, n, tag))
-        for start in range(0, n, size):
-            yield order[start:start + size]
-
-
-def step_widths(weights: np.ndarray) -> np.ndarray:
-    """Per step index, how many leading minibatch positions hold a real sample in some client.
-
-    ``weights`` (m, T, Bp) 0/1 from :meth:`VmapTrainer._schedule` (real samples first in each
-    padded minibatch). Returns (T,) int64 >= 1: a step may drop the columns past this width,
-    which are padding in every client (e.g. everyone's short last minibatch), exactly.
-    """
-    return np.maximum((weights > 0).sum(axis=2).max(axis=0), 1).astype(np.int64)
+__all__ = ["VmapTrainer"]
 
 
 class VmapTrainer:
@@ -98,7 +60,7 @@ class VmapTrainer:
         batch_size: B >= 0 samples per minibatch; 0 means one full batch per epoch.
         momentum, weight_decay: as in ``torch.optim.SGD`` (dampening 0, no Nesterov); the
             optimiser state is fresh every round.
-        seed: experiment seed, keys :func:`batch_order`.
+        seed: experiment seed, keys :func:`~mpifl.clients.minibatches.batch_order`.
         prox_mu: FedProx's proximal coefficient mu >= 0 (Li et al., MLSys 2020): the local loss
             gets ``+ (mu/2) ||w_k - w||^2`` towards the round's global parameters w.
         report_accuracy: also report each client's training accuracy of w, measured with the
@@ -114,8 +76,9 @@ class VmapTrainer:
             (stacked parameters, gradients, momentum, padded minibatch activations, samples)
             stays below this many MiB; at least one client per chunk.
         device: where the computation runs (``"cpu"``, ``"cuda"``, ...).
-        order_tag: keys :func:`batch_order` with this tag (None: training's own stream); the
-            trainer of ``run.adapt_epochs`` uses :data:`mpifl.core.rng.ADAPT_TAG`.
+        order_tag: keys :func:`~mpifl.clients.minibatches.batch_order` with this tag (None:
+            training's own stream); the trainer of ``run.adapt_epochs`` uses
+            :data:`mpifl.core.rng.ADAPT_TAG`.
         loss: the :class:`mpifl.models.losses.Loss` of training and evaluation (``[model]
             loss``; default cross-entropy). Accuracies are NaN for a regression loss.
 
@@ -165,7 +128,7 @@ class VmapTrainer:
         self.memory_budget = int(memory_budget_mb * 2**20)
         self.device = torch.device(device)
         self._in_numel = math.prod(x.shape[1:])
-        self._act_numel = _activation_numel(model, tuple(x.shape[1:]))
+        self._act_numel = memory.activation_numel(model, tuple(x.shape[1:]))
         self._step_grad = vmap(grad(self._minibatch_loss))
         self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
         forward = (stacked_forward(model) if self._plain_steps
@@ -277,169 +240,55 @@ class VmapTrainer:
             raise ValueError(f"clients {client_ids[sizes == 0].tolist()} have no training samples")
         return client_ids, sizes
 
-    @torch.no_grad()
-    def evaluate(self, w: Tensor, sample_idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Accuracy and mean loss of the global model w on each client's samples.
+    # ------------------------------------------------------------------ evaluation
 
-        One batched forward over the concatenated samples (in row chunks that fit the memory
-        budget) and segment sums; no per-client loop of forwards.
+    def evaluate(self, w: Tensor, sample_idx: Sequence[np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """Accuracy and mean loss ``(n,)`` float64 of w ``(d,)`` on each client's samples
+        (NaN without samples): :func:`mpifl.clients.evaluation.evaluate`."""
+        return evaluation.evaluate(self, w, sample_idx)
 
-        Args:
-            w: ``(d,)`` parameters.
-            sample_idx: n arrays of indices into x (e.g. the clients' test splits).
-
-        Returns:
-            ``accuracy`` ``(n,)`` float64 in [0, 1] and ``loss`` ``(n,)`` float64 (nats);
-            NaN for a client without samples.
-        """
-        w = self._check_w(w)
-        loss, acc = self._client_stats(w, sample_idx)
-        return acc.cpu().numpy(), loss.cpu().numpy()
-
-    @torch.no_grad()
     def evaluate_groups(self, w: Tensor, sample_idx: Sequence[np.ndarray], sensitive: Tensor,
                         num_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """:meth:`evaluate` plus group counts for binary tasks, in the same forward pass.
+        """:meth:`evaluate` plus the (n, G, 2, 3) float64 group counts of binary tasks:
+        :func:`mpifl.clients.evaluation.evaluate_groups`."""
+        return evaluation.evaluate_groups(self, w, sample_idx, sensitive, num_groups)
 
-        Args:
-            sensitive: (N,) int64 sensitive-group id of every sample of the store.
-            num_groups: G.
-
-        Returns:
-            ``accuracy`` (n,), ``loss`` (n,), and ``counts`` (n, G, 2, 3) float64: per client,
-            group a and true label y, the samples, predicted positives (class 1) and errors —
-            the input of :func:`mpifl.metrics.fairness.violations_from_counts` once summed over clients.
-        """
-        w = self._check_w(w)
-        loss, acc, counts = self._client_stats(w, sample_idx, (sensitive, num_groups))
-        return acc.cpu().numpy(), loss.cpu().numpy(), counts.cpu().numpy()
-
-    @torch.no_grad()
     def evaluate_adapted(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
                          train_idx: Sequence[np.ndarray], test_idx: Sequence[np.ndarray]
                          ) -> tuple[np.ndarray, np.ndarray]:
-        """Evaluation after local adaptation (``run.adapt_epochs``): each client's accuracy and
-        loss on its test samples after this trainer's local SGD (its ``epochs``, batch size,
-        momentum, weight decay; minibatch order keyed by ``order_tag``) from w on its own
-        training samples.
+        """Accuracy and loss ``(n,)`` float64 on each client's test samples after this
+        trainer's local SGD from w on its training samples (``run.adapt_epochs``):
+        :func:`mpifl.clients.evaluation.evaluate_adapted`."""
+        return evaluation.evaluate_adapted(self, w, round, lr, client_ids, train_idx, test_idx)
 
-        The same vectorised training as :meth:`train`, in the same memory-bounded chunks; each
-        chunk's trained parameters (c, d) are evaluated at once (:meth:`evaluate_each`) and
-        dropped, so at most one chunk of models is alive.
-
-        Args:
-            w: ``(d,)`` the global parameters every client starts from.
-            round: keys the minibatch order (with ``order_tag``), e.g. the rounds completed.
-            lr: the local learning rate.
-            client_ids: ``(n,)`` int ids of the clients. train_idx, test_idx: n arrays of
-                indices into x, each client's training and test samples.
-
-        Returns:
-            ``accuracy`` ``(n,)`` float64 in [0, 1] and ``loss`` ``(n,)`` float64 (nats); NaN for
-            a client without test samples; a client without training samples is evaluated at w.
-        """
-        w = self._check_w(w)
-        client_ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
-        if not len(client_ids) == len(train_idx) == len(test_idx):
-            raise ValueError(f"{len(client_ids)} client ids, {len(train_idx)} training and "
-                             f"{len(test_idx)} test index arrays")
-        sizes = np.array([len(s) for s in train_idx], dtype=np.int64)
-        acc = np.full(len(sizes), math.nan)
-        loss = np.full(len(sizes), math.nan)
-        idle = np.flatnonzero(sizes == 0)
-        if idle.size:  # nothing to adapt on: the global model itself
-            acc[idle], loss[idle] = self.evaluate(w, [test_idx[i] for i in idle])
-        busy = np.flatnonzero(sizes > 0)
-        for chunk in self.plan_chunks(sizes[busy]):
-            pos = busy[chunk]
-            W = self._train_chunk(w, round, lr, client_ids[pos], [train_idx[i] for i in pos])
-            acc[pos], loss[pos] = self.evaluate_each(W, [test_idx[i] for i in pos])
-        return acc, loss
-
-    @torch.no_grad()
     def evaluate_each(self, W: Tensor, sample_idx: Sequence[np.ndarray]
                       ) -> tuple[np.ndarray, np.ndarray]:
-        """Accuracy and mean loss of client i's own parameters ``W[i]`` on its samples.
+        """Accuracy and loss ``(n,)`` float64 of client i's own parameters ``W[i]`` (W (n, d))
+        on its samples: :func:`mpifl.clients.evaluation.evaluate_each`."""
+        return evaluation.evaluate_each(self, W, sample_idx)
 
-        Batched over clients: clients (sorted by sample count, so that a chunk holds similar
-        sizes) are cut into chunks that fit the memory budget; a chunk's samples are padded to
-        its largest client (padding rows weigh 0) and evaluated with one ``vmap`` of
-        ``functional_call`` over the clients' parameter rows per block of sample positions.
+    def _client_stats(self, w: Tensor, sample_idx: Sequence[np.ndarray],
+                      groups: tuple[Tensor, int] | None = None):
+        """Per-client loss and accuracy (n,) float64 of w (and group counts with ``groups``):
+        :func:`mpifl.clients.evaluation.client_stats`."""
+        return evaluation.client_stats(self, w, sample_idx, groups)
 
-        Args:
-            W: ``(n, d)`` per-client parameters (e.g. Ditto's personal models, or the
-                adapted models of :meth:`evaluate_adapted`).
-            sample_idx: n arrays of indices into x (e.g. the clients' test splits).
+    def _forward_blocks(self, w: Tensor, sample_idx: Sequence[np.ndarray]):
+        """One forward of w over the clients' samples in memory-bounded row blocks:
+        :func:`mpifl.clients.evaluation.forward_blocks`."""
+        return evaluation.forward_blocks(self, w, sample_idx)
 
-        Returns:
-            ``accuracy`` ``(n,)`` float64 and ``loss`` ``(n,)`` float64 (nats); NaN for a client
-            without samples — as :meth:`VmapTrainer.evaluate` gives for one shared w.
-
-        Raises:
-            ValueError: W is not ``(len(sample_idx), d)``.
-        """
-        n = len(sample_idx)
-        if tuple(W.shape) != (n, self.layout.d):
-            raise ValueError(f"W must have shape ({n}, {self.layout.d}), got {tuple(W.shape)}")
-        W = W.detach()
-        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
-        ce_sum = np.zeros(n, dtype=np.float64)
-        hits = np.zeros(n, dtype=np.float64)
-        per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
-        per_client = 4 * 2 * self.layout.d  # the chunk's parameter rows (+ their views' copies)
-        forward = vmap(lambda p, xb: functional_call(self.model, p, (xb,)))
-        for chunk in self._eval_chunks(sizes, per_client, per_row):
-            c, n_max = len(chunk), int(sizes[chunk[0]])
-            rows = np.empty((c, n_max), dtype=np.int64)
-            mask = np.zeros((c, n_max), dtype=bool)
-            for j, i in enumerate(chunk):
-                s = np.asarray(sample_idx[i], dtype=np.int64).reshape(-1)
-                rows[j, :len(s)], rows[j, len(s):] = s, s[0]  # padding: own first sample
-                mask[j, :len(s)] = True
-            params = self.layout.unflatten(
-                W[torch.as_tensor(chunk, device=W.device)].to(self.device, torch.float32))
-            block = max(1, (self.memory_budget - c * per_client) // (c * per_row))
-            ce_c = torch.zeros(c, dtype=torch.float64, device=self.device)
-            hit_c = torch.zeros(c, dtype=torch.float64, device=self.device)
-            for lo in range(0, n_max, block):
-                idx, keep = rows[:, lo:lo + block], mask[:, lo:lo + block]
-                xb, yb = self._gather(idx.reshape(-1))
-                xb = xb.view(c, idx.shape[1], *xb.shape[1:])
-                yb = yb.view(c, idx.shape[1], *yb.shape[1:])
-                out = forward(params, xb)
-                flat_out, flat_y = out.flatten(0, 1), yb.flatten(0, 1)
-                ce = self.loss.per_sample(flat_out, flat_y)
-                keep_t = torch.as_tensor(keep, device=self.device)
-                ce_c += torch.where(keep_t, ce.view(c, -1).double(), 0.0).sum(1)
-                hit = (self.loss.labels(flat_out) == flat_y).view(c, -1)
-                hit_c += (hit & keep_t).double().sum(1)
-            ce_sum[chunk] = ce_c.cpu().numpy()
-            hits[chunk] = hit_c.cpu().numpy()
-        with np.errstate(invalid="ignore", divide="ignore"):
-            count = sizes.astype(np.float64)
-            acc = hits / count if self.loss.classification else np.full(n, math.nan)
-            return acc, ce_sum / count
+    # ------------------------------------------------------------------ memory plan
 
     def _eval_chunks(self, sizes: np.ndarray, per_client: int, per_row: int) -> list[np.ndarray]:
-        """Clients with samples, largest first, in chunks whose parameter rows and padded
-        samples fit the memory budget (at least one client per chunk; a client whose samples
-        alone exceed it is evaluated in blocks of sample positions)."""
-        order = [int(i) for i in np.argsort(-sizes, kind="stable") if sizes[i] > 0]
-        chunks: list[list[int]] = []
-        for i in order:
-            if chunks:
-                c, n_max = len(chunks[-1]) + 1, int(sizes[chunks[-1][0]])
-                if c * (per_client + n_max * per_row) <= self.memory_budget:
-                    chunks[-1].append(i)
-                    continue
-            chunks.append([i])
-        return [np.array(c, dtype=np.int64) for c in chunks]
+        """Clients with samples in evaluation chunks that fit the memory budget:
+        :func:`mpifl.clients.memory.eval_chunks`."""
+        return memory.eval_chunks(sizes, per_client, per_row, self.memory_budget)
 
     def plan_chunks(self, sizes: np.ndarray) -> list[np.ndarray]:
-        """Split clients (by position) into chunks whose estimated memory fits the budget.
-
-        Clients are sorted by sample count (largest first) so that a chunk holds clients of
-        similar size and little compute is wasted on padding and masked steps.
+        """Split clients (by position) into chunks whose estimated memory (:meth:`_client_bytes`)
+        fits the budget, largest clients first (:func:`mpifl.clients.memory.plan_chunks`).
 
         Args:
             sizes: ``(m,)`` number of training samples per client.
@@ -447,21 +296,12 @@ class VmapTrainer:
         Returns:
             Arrays of positions into ``sizes``; together a permutation of ``range(m)``.
         """
-        sizes = np.asarray(sizes, dtype=np.int64)
-        order = np.argsort(-sizes, kind="stable")
-        chunks: list[list[int]] = []
-        used = 0
-        for pos in order:
-            if chunks:
-                # The chunk's first (largest) client fixes its padded batch and step count.
-                cost = self._client_bytes(int(sizes[chunks[-1][0]]), int(sizes[pos]))
-                if used + cost <= self.memory_budget:
-                    chunks[-1].append(int(pos))
-                    used += cost
-                    continue
-            chunks.append([int(pos)])
-            used = self._client_bytes(int(sizes[pos]), int(sizes[pos]))
-        return [np.array(c, dtype=np.int64) for c in chunks]
+        return memory.plan_chunks(sizes, self._client_bytes, self.memory_budget)
+
+    def _client_bytes(self, n_max: int, n: int) -> int:
+        """Estimated working memory of one client in a chunk whose largest client has n_max."""
+        return memory.client_bytes(self.layout.d, self._act_numel, self._in_numel,
+                                   self._padded_batch(n_max), self._steps(n_max), n)
 
     # ------------------------------------------------------------------ training
 
@@ -471,12 +311,6 @@ class VmapTrainer:
     def _steps(self, n: int) -> int:
         per_epoch = 1 if self.batch_size == 0 else -(-n // self.batch_size)
         return self.epochs * per_epoch
-
-    def _client_bytes(self, n_max: int, n: int) -> int:
-        """Estimated working memory of one client in a chunk whose largest client has n_max."""
-        bp, steps = self._padded_batch(n_max), self._steps(n_max)
-        per_sample = _ACTIVATION_COPIES * self._act_numel + self._in_numel
-        return 4 * (_PARAM_COPIES * self.layout.d + bp * per_sample + n * self._in_numel) + 16 * steps * bp
 
     def _schedule(self, round: int, client_ids: np.ndarray, sizes: np.ndarray):
         """Padded minibatch plan of a chunk.
@@ -605,52 +439,6 @@ class VmapTrainer:
             step = torch._foreach_mul(step, [active.view(-1, *[1] * (p.dim() - 1)) for p in params])
         torch._foreach_add_(params, step, alpha=-lr)
 
-    # ------------------------------------------------------------------ evaluation
-
-    def _client_stats(self, w: Tensor, sample_idx: Sequence[np.ndarray],
-                      groups: tuple[Tensor, int] | None = None):
-        """Per-client mean loss and accuracy of w, float64 ``(n,)`` each, NaN where empty (accuracy
-        NaN for a regression loss); with
-        ``groups = (sensitive (N,) int64, G)`` also the (n, G, 2, 3) group counts of
-        :meth:`evaluate_groups`."""
-        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
-        n = len(sizes)
-        ce_sum = torch.zeros(n, dtype=torch.float64, device=self.device)
-        hits = torch.zeros(n, dtype=torch.float64, device=self.device)
-        cells = torch.zeros(n * (groups[1] if groups else 0) * 2, 3, dtype=torch.float64,
-                            device=self.device)
-        for rows, seg, out, yb in self._forward_blocks(w, sample_idx):
-            ce_sum.index_add_(0, seg, self.loss.per_sample(out, yb).double())
-            pred = self.loss.labels(out)
-            hits.index_add_(0, seg, (pred == yb).double())
-            if groups is not None:  # cell = (client, group, true label)
-                sens = groups[0][torch.as_tensor(rows, device=groups[0].device)]
-                cell = (seg * groups[1] + sens.to(self.device)) * 2 + yb
-                cells.index_add_(0, cell, torch.stack(
-                    [torch.ones_like(pred), pred == 1, pred != yb], dim=1).double())
-        count = torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
-        acc = hits / count if self.loss.classification else torch.full_like(hits, math.nan)
-        if groups is not None:
-            return ce_sum / count, acc, cells.view(n, groups[1], 2, 3)
-        return ce_sum / count, acc
-
-    def _forward_blocks(self, w: Tensor, sample_idx: Sequence[np.ndarray]):
-        """One forward of w over the clients' concatenated samples, in row blocks that fit the
-        memory budget. Yields ``(rows (b,) int64 numpy store indices, client (b,) int64 position
-        of each row's client, outputs (b, C), labels (b,))``."""
-        sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
-        if sizes.sum() == 0:
-            return
-        all_rows = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in sample_idx])
-        segment = torch.as_tensor(np.repeat(np.arange(len(sizes)), sizes), device=self.device)
-        params = self.layout.unflatten(w)
-        per_row = 4 * (2 * self._act_numel + self._in_numel) + 64
-        step = max(1, (self.memory_budget - 4 * self.layout.d) // per_row)
-        for lo in range(0, len(all_rows), step):
-            xb, yb = self._gather(all_rows[lo:lo + step])
-            yield (all_rows[lo:lo + step], segment[lo:lo + step],
-                   functional_call(self.model, params, (xb,)), yb)
-
     # ------------------------------------------------------------------ helpers
 
     def _gather(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
@@ -671,26 +459,3 @@ def _check_model(model: nn.Module, layout: ParamLayout) -> None:
     if any(True for _ in model.buffers()):
         raise ValueError("models with buffers (e.g. BatchNorm) cannot be trained with vmap; "
                          "use client.trainer = 'loop'")
-
-
-def _activation_numel(model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """Number of activation values one sample produces in a forward pass (all leaf outputs)."""
-    total = 0
-
-    def count(_module, _inputs, output):
-        nonlocal total
-        total += output.numel()
-
-    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
-    hooks = [m.register_forward_hook(count) for m in leaves]
-    was_training = model.training
-    try:
-        device = next(model.parameters()).device
-        model.eval()  # a batch of one: BatchNorm would refuse it in train mode
-        with torch.no_grad():
-            model(torch.zeros(1, *input_shape, device=device))
-    finally:
-        model.train(was_training)
-        for h in hooks:
-            h.remove()
-    return total

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
-from mpifl.clients.trainer import VmapTrainer, step_widths
+from mpifl.clients.minibatches import step_widths
+from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.layout import ParamLayout
 
 # The estimate below is deliberately conservative: measured by peak RSS on CPU (torch 2.13), an

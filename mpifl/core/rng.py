@@ -9,8 +9,8 @@ stream                     key                                         where
 client partition           ``[seed, PARTITION_TAG]``                   data.federated
 client train/test split    ``[seed, k, SPLIT_TAG]``                    data.federated
 Synthetic(alpha, beta)     ``[seed, SYNTHETIC_TAG, k]``                data.synthetic
-minibatch order            ``[seed, round, k, epoch]`` (no tag)        clients.trainer
-adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.trainer
+minibatch order            ``[seed, round, k, epoch]`` (no tag)        clients.minibatches
+adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.minibatches
 client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
 FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
 client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
