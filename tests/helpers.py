@@ -97,3 +97,22 @@ def h5_round_trip(state: dict, path: Path) -> dict:
         _write_state(f.create_group("aggregator"), state)
     with h5py.File(path, "r") as f:
         return _read_state(f["aggregator"])
+
+
+def fill_disk(folder: Path, leave: int = 0) -> Path:
+    """Fill the file system of ``folder`` from outside (as another process would) until at most
+    ``leave`` bytes are free; returns the filler file (delete it, or remount bigger, to free)."""
+    import os
+
+    filler = folder / f"filler-{os.getpid()}-{len(list(folder.glob('filler-*')))}"
+    with open(filler, "wb", buffering=0) as f:
+        for _ in range(100_000):
+            st = os.statvfs(folder)
+            free = st.f_bavail * st.f_frsize
+            if free <= leave:
+                break
+            try:
+                f.write(bytes(min(free - leave, 1 << 20)))
+            except OSError:  # full (tmpfs rounds to pages)
+                break
+    return filler

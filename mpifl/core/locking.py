@@ -95,8 +95,13 @@ class RunLock:
             if old is not None and (old[0], old[1]) != (socket.gethostname(), os.getpid()):
                 log.info("taking over the stale run lock %s of pid %d on %s (no longer running)",
                          self.path, old[1], old[0])
-            os.ftruncate(fd, 0)
-            os.write(fd, me.encode())
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, me.encode())
+            except OSError as exc:  # a full disk (or EIO) before anything of the run is written
+                self._discard(fd)
+                raise OutputError(f"cannot write run lock {self.path}: "
+                                  f"{exc.strerror or exc}") from None
             self._fd = fd
             return self
         raise OutputError(f"{self.path}: cannot lock (the lock file keeps changing)")
@@ -113,10 +118,24 @@ class RunLock:
                     self.path.unlink(missing_ok=True)
                     continue
                 raise OutputError(self._busy_message()) from None
-            os.write(fd, me.encode())
+            try:
+                os.write(fd, me.encode())
+            except OSError as exc:
+                self._discard(fd)
+                raise OutputError(f"cannot write run lock {self.path}: "
+                                  f"{exc.strerror or exc}") from None
             self._fd, self._exclusive_file = fd, True
             return self
         raise OutputError(self._busy_message())
+
+    def _discard(self, fd: int) -> None:
+        """Remove the lock file this process holds (or created) but could not write, and close
+        it: nothing of the run is left behind."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(fd)
 
     def _busy_message(self) -> str:
         old = _owner(self.path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mpifl.core.errors import OutputError
 from mpifl.report.load import load, tables
+from mpifl.store.sealed import reason
 
 
 def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
@@ -39,16 +40,40 @@ def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"{folder}: cannot create the folder ({exc.strerror})") from None
+        raise OutputError(f"{folder}: cannot create the folder ({reason(exc)})") from None
     written = []
     for name, frame in frames.items():
         path = folder / f"{name}.{fmt}"
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            frame.to_csv(tmp, index=False) if fmt == "csv" else frame.to_parquet(tmp, index=False)
-            os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            raise OutputError(f"{path}: cannot write ({exc.strerror})") from None
+        _write_table(frame, path, fmt)
         written.append(path)
     return written
+
+
+def _write_table(frame, path: Path, fmt: str) -> None:
+    """``frame`` as ``path``: a temporary file beside it, fsynced, renamed. Any I/O error (a
+    full disk, EIO) is one :class:`OutputError` naming ``path``; the temporary is removed
+    whatever fails, and an older ``path`` is kept.
+
+    Raises:
+        OutputError: the file cannot be written.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        if fmt == "csv":
+            frame.to_csv(tmp, index=False)
+        else:
+            frame.to_parquet(tmp, index=False)
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)  # a delayed ENOSPC or EIO shows up here, not after the rename
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):  # pyarrow's I/O errors are OSErrors too
+            raise OutputError(f"cannot write export table {path}: {reason(exc)}") from None
+        raise

@@ -8,15 +8,20 @@ chosen by ``[run] loggers = ["csv", "tensorboard"]`` or ``mpifl run --log NAME``
 in :data:`LOGGERS`, so a plugin adds its own with ``@LOGGERS.register("name")``.
 
 Logging never changes results: loggers only read. A logger that raises is reported once
-(a warning naming it) and dropped; the run goes on.
+(a warning naming it and, on an I/O error such as a full disk or EIO, the path it could not
+write) and dropped; the run goes on, since the results file and the checkpoints are the record
+(a failure to write those ends the run). Loggers may set ``path``, what they write, for that
+warning.
 """
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +41,8 @@ class RoundLogger(Protocol):
     def log_round(self, rnd: int, row: dict[str, Any], summary: dict[str, float] | None) -> None: ...
 
     def close(self) -> None: ...
+
+    # optional: ``path``, the file or folder it writes (named when it fails)
 
 
 #: Logger classes by name. A class may set ``requires = ("module", "extra")``: the config is
@@ -59,8 +66,11 @@ class CsvLogger:
     ``time_checkpoint`` is 0 here: it is measured after the row is logged (the results file
     has it)."""
 
+    suffix = ".log.csv"
+
     def __init__(self, out: Path, config: dict[str, Any], start: int) -> None:
-        self.path = Path(out).with_suffix(".log.csv")
+        self.path = Path(out).with_suffix(self.suffix)
+        self.fd, self.size = -1, 0  # the file, open for appending, and its length of whole rows
         kept = self._rows_before(start)
         self.fields: list[str] | None = list(kept[0]) if kept else None
         self._rewrite(kept)
@@ -72,35 +82,84 @@ class CsvLogger:
             return [r for r in csv.DictReader(f) if int(r["round"]) < start]
 
     def _rewrite(self, rows: list[dict[str, str]]) -> None:
-        """Replace the file by ``rows`` (atomically), then append from there."""
+        """Replace the file by ``rows`` (atomically: a temporary file, renamed; removed when
+        the write fails), then append from there."""
+        self.close()
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", newline="") as f:
-            if self.fields:
-                self._writer(f).writeheader()
-                self._writer(f).writerows(rows)
-        os.replace(tmp, self.path)
-        self.file = open(self.path, "a", newline="")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                _write_all(fd, self._text(rows, header=True).encode() if self.fields else b"")
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self.size = os.fstat(self.fd).st_size
 
-    def _writer(self, f) -> csv.DictWriter:
-        return csv.DictWriter(f, fieldnames=self.fields, restval="", extrasaction="ignore")
+    def _text(self, rows: list[dict[str, Any]], header: bool) -> str:
+        buf = io.StringIO(newline="")
+        writer = csv.DictWriter(buf, fieldnames=self.fields, restval="", extrasaction="ignore")
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        return buf.getvalue()
 
     def log_round(self, rnd: int, row: dict[str, Any], summary: dict[str, float] | None) -> None:
         values = {"round": rnd, **scalars(row, summary)}
-        if self.fields is None:
+        header = self.fields is None
+        if header:
             self.fields = list(values)
-            self._writer(self.file).writeheader()
         missing = [k for k in values if k not in self.fields]
         if missing:  # the first round had no evaluation: its summary columns come now
-            self.file.close()
             with open(self.path, newline="") as f:
                 rows = list(csv.DictReader(f))
             self.fields += missing
             self._rewrite(rows)
-        self._writer(self.file).writerow(values)
-        self.file.flush()
+        self._append(self._text([values], header))
+
+    def _append(self, text: str) -> None:
+        """One unbuffered write (``tail -f`` sees whole rows); a failed one (a full disk) is
+        cut back, so the file keeps whole rows only."""
+        data = text.encode()
+        try:
+            _write_all(self.fd, data)
+        except OSError:
+            try:
+                os.ftruncate(self.fd, self.size)
+            except OSError:
+                pass
+            raise
+        self.size += len(data)
 
     def close(self) -> None:
-        self.file.close()
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _quiet_tensorboard_thread(args: threading.ExceptHookArgs) -> None:
+    """TensorBoard writes from a thread that re-raises its I/O error (a traceback on stderr);
+    the same error is raised again by the writer's next call, where :class:`LoggerSet`
+    reports it in one line and switches the logger off."""
+    if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type,
+                                                                          Exception):
+        return
+    _previous_excepthook(args)
+
+
+_previous_excepthook = threading.excepthook
 
 
 @LOGGERS.register("tensorboard")
@@ -110,11 +169,17 @@ class TensorBoardLogger:
     resumed round on are purged (TensorBoard's ``purge_step``)."""
 
     requires = ("tensorboard", "tensorboard")
+    suffix = ".tb"
 
     def __init__(self, out: Path, config: dict[str, Any], start: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(Path(out).with_suffix(".tb")),
+        if threading.excepthook is not _quiet_tensorboard_thread:
+            global _previous_excepthook
+            _previous_excepthook, threading.excepthook = (threading.excepthook,
+                                                          _quiet_tensorboard_thread)
+        self.path = Path(out).with_suffix(self.suffix)
+        self.writer = SummaryWriter(log_dir=str(self.path),
                                     purge_step=start + 1 if start else None)
 
     def log_round(self, rnd: int, row: dict[str, Any], summary: dict[str, float] | None) -> None:
@@ -133,11 +198,12 @@ class WandbLogger:
     ``wandb sync RUN.wandb/wandb/offline-run-*`` uploads later)."""
 
     requires = ("wandb", "wandb")
+    suffix = ".wandb"
 
     def __init__(self, out: Path, config: dict[str, Any], start: int) -> None:
         import wandb
 
-        folder = Path(out).with_suffix(".wandb")
+        folder = self.path = Path(out).with_suffix(self.suffix)
         folder.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mpifl"),
                               name=config.get("run", {}).get("name"), config=config,
@@ -160,7 +226,8 @@ def missing_requirement(name: str) -> str | None:
 
 
 class LoggerSet:
-    """The run's loggers, called together; one that raises is dropped with one warning.
+    """The run's loggers, called together; one that raises is dropped with one warning (naming
+    the path it could not write, on an I/O error) and closed; the run goes on.
 
     Args:
         names: registered logger names (validated by the config).
@@ -169,6 +236,7 @@ class LoggerSet:
 
     def __init__(self, names: list[str], out: Path, config: dict[str, Any], start: int) -> None:
         self.active: dict[str, Any] = {}
+        self.out = Path(out)
         for name in names:
             self._guard(name, lambda: self.active.__setitem__(
                 name, LOGGERS.get(name)(Path(out), config, start)))
@@ -179,13 +247,32 @@ class LoggerSet:
 
     def close(self) -> None:
         for name, logger in list(self.active.items()):
-            self._guard(name, logger.close)
+            self._guard(name, logger.close, closing=True)
         self.active.clear()
 
-    def _guard(self, name: str, call) -> None:
+    def _guard(self, name: str, call, closing: bool = False) -> None:
         try:
             call()
         except Exception as exc:  # a logger must never end a run
-            log.warning("logger %r failed and is switched off (the run goes on): %s: %s",
-                        name, type(exc).__name__, exc)
-            self.active.pop(name, None)
+            logger = self.active.pop(name, None)
+            log.warning("logger %r %s; it is switched off%s", name,
+                        _failure(exc, logger, LOGGERS.get(name), self.out),
+                        "" if closing else " and the run goes on (the results file and the "
+                        "checkpoints are the record)")
+            if logger is not None and not closing:
+                try:  # release its files now, not when it is garbage-collected
+                    logger.close()
+                except Exception:  # noqa: BLE001 -- it failed already, once is enough
+                    pass
+
+
+def _failure(exc: Exception, logger: Any, cls: type, out: Path) -> str:
+    """``cannot write PATH: No space left on device`` for an I/O error, else the error."""
+    if isinstance(exc, OSError):
+        from mpifl.store.sealed import reason
+
+        suffix = getattr(cls, "suffix", None)  # a logger that failed while being built
+        path = (getattr(logger, "path", None) or (out.with_suffix(suffix) if suffix else None)
+                or exc.filename)
+        return f"cannot write {path}: {reason(exc)}" if path else f"failed: {reason(exc)}"
+    return f"failed: {type(exc).__name__}: {' '.join(str(exc).split())}"

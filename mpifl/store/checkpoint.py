@@ -50,7 +50,7 @@ import numpy as np
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import clean_stale_temporaries
 from mpifl.store.results import READABLE_VERSIONS, SCHEMA_VERSION, MetricHistory
-from mpifl.store.sealed import open_verified, write_atomic
+from mpifl.store.sealed import open_verified, reason, write_atomic
 
 log = logging.getLogger("mpifl.store.checkpoint")
 
@@ -102,19 +102,29 @@ def save(folder: Path, ckpt: Checkpoint) -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write checkpoint {final}: {reason(exc)}") from None
     clean_stale_temporaries(folder)  # left by a writer killed mid-write
     if ckpt.shard_bounds is not None:
         ckpt.shard_digests = _shard_digests(folder, ckpt.round, len(ckpt.shard_bounds) - 1)
     write_atomic(final, lambda f: _write(f, ckpt), "checkpoint")
-    listed = _listed(folder)
-    for old in listed[KEEP:]:
-        old.unlink(missing_ok=True)
-    kept = {int(_NAME.match(p.name).group(1)) for p in listed[:KEEP]}
-    for path in folder.iterdir():  # shard files of dropped checkpoints, or of refused ones
-        if (m := _SHARD_NAME.match(path.name)) and int(m.group(1)) not in kept:
-            path.unlink(missing_ok=True)
+    try:  # the new checkpoint is complete: older ones left behind by an I/O error do no harm
+        listed = _listed(folder)
+        for old in listed[KEEP:]:
+            _remove(old)
+        kept = {int(_NAME.match(p.name).group(1)) for p in listed[:KEEP]}
+        for path in folder.iterdir():  # shard files of dropped checkpoints, or of refused ones
+            if (m := _SHARD_NAME.match(path.name)) and int(m.group(1)) not in kept:
+                _remove(path)
+    except OSError as exc:
+        log.warning("cannot list old checkpoints in %s to remove them: %s", folder, reason(exc))
     return final
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot remove the old checkpoint %s: %s", path, reason(exc))
 
 
 def shard_path(folder: Path, rounds_done: int, index: int) -> Path:
@@ -139,7 +149,7 @@ def save_shard(folder: Path, rounds_done: int, index: int, size: int, lo: int, h
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot write checkpoint {final}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write checkpoint {final}: {reason(exc)}") from None
 
     def write(f: h5py.File) -> None:
         f.attrs.update(kind=SHARD_KIND, schema_version=SCHEMA_VERSION, round=rounds_done,
