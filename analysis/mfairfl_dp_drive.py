@@ -30,10 +30,10 @@ if TEMP != 1.0:  # sharper DP surrogate: sigmoid((z1 - z0) / T) instead of softm
     print("surrogate temperature", TEMP)
 rule = aggregators.rule(cfg.server.algorithm)
 kw = {}
-if getattr(rule, "needs_num_groups", False):
+if rule.needs.num_groups:
     kw["num_groups"] = int(fed.sensitive.max()) + 1
 params = cfg.algorithm_params()
-if getattr(rule, "needs_num_clients", False):
+if rule.needs.num_clients:
     params["num_clients"] = fed.num_clients
 params.update(kw)
 agg = aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)

@@ -199,7 +199,10 @@ class MpiflRounds:
     def round(self) -> tuple[float, dict]:
         t0 = time.perf_counter()
         self.w, row = self.server._round(self.rnd, self.w)
-        self.server.aggregator.observe_params(self.w)
+        from mpifl.aggregators import ObservesParams
+
+        if isinstance(self.server.aggregator, ObservesParams):  # AFL keeps the parameters
+            self.server.aggregator.observe_params(self.w)
         dt = time.perf_counter() - t0
         self.rnd += 1
         return dt, row

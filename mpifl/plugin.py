@@ -16,7 +16,10 @@ config (or publish it under the ``mpifl.plugins`` entry-point group)::
 The decorators (README "Plugins" walks through examples/plugin/ and examples/models/):
 
 - :func:`register_rule` on an :class:`Aggregator` subclass with a nested ``Params``
-  (:class:`Params`): ``aggregate(r: RoundUpdates) -> step`` (d,), ``w <- w - step``.
+  (:class:`Params`): ``aggregate(r: RoundUpdates) -> step`` (d,), ``w <- w - step``; what it
+  needs from the run is its ``needs = Needs(...)`` record and the opt-in protocols it
+  implements (:class:`ObservesParams`, :class:`PersonalModels`, :class:`RoundInputs`,
+  :class:`BenchInputs`, :class:`MemoryRows`; :mod:`mpifl.aggregators.needs`).
 - :func:`register_model` on ``factory(input_shape, num_classes, *, seed, **params) -> nn.Module``;
   ``[model.params]`` are its keywords. mpifl seeds torch's RNG around the call (weights depend on
   the seed only) and checks the model (:func:`mpifl.models.check_model`); BatchNorm and Dropout
@@ -31,15 +34,18 @@ The decorators (README "Plugins" walks through examples/plugin/ and examples/mod
 
 from mpifl.aggregators.base import RULES, Aggregator, RoundUpdates
 from mpifl.aggregators.base import register as register_rule
+from mpifl.aggregators.needs import (BenchInputs, BenchSpec, MemoryRows, Needs, ObservesParams,
+                                     PersonalModels, RoundInputs, Shards, StateRows)
 from mpifl.core.params import Params
 from mpifl.data.federated import FederatedData
 from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, DataPool
 from mpifl.models.losses import LOSSES, Loss
 from mpifl.models.zoo import MODEL_FACTORIES
 
-__all__ = ["Aggregator", "DataPool", "FederatedData", "Loss", "Params", "RoundUpdates",
-           "register_dataset", "register_loss", "register_model", "register_partition",
-           "register_rule", "RULES"]
+__all__ = ["Aggregator", "BenchInputs", "BenchSpec", "DataPool", "FederatedData", "Loss",
+           "MemoryRows", "Needs", "ObservesParams", "Params", "PersonalModels", "RoundInputs",
+           "RoundUpdates", "Shards", "StateRows", "register_dataset", "register_loss",
+           "register_model", "register_partition", "register_rule", "RULES"]
 
 
 def register_loss(name: str):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from mpifl.aggregators import RoundUpdates, create, rule
+from mpifl.aggregators import PersonalModels, RoundUpdates, create, rule
 from mpifl.cli import main
 from mpifl.clients import TRAINERS, DittoTrainer, VmapTrainer, client_minibatches
 from mpifl.experiment.config import load_config
@@ -154,8 +154,8 @@ def ditto_round(t, ids, U, rows, n, dtype=torch.float64):
 
 def test_hand_checkable_two_clients_in_2d():
     agg = create("ditto", lam=0.5, num_clients=3)
-    assert rule("ditto").personal_models and rule("ditto").needs_num_clients
-    assert rule("ditto").trainer_kind == "ditto"
+    assert isinstance(rule("ditto"), PersonalModels) and rule("ditto").needs.num_clients
+    assert rule("ditto").needs.trainer == "ditto"
     assert rule("ditto").client_options(rule("ditto").Params(lam=0.5)) == {"lam": 0.5}
     w = torch.tensor([1.0, 2.0])
     # before any round: every client's personal model is w

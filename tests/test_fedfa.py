@@ -213,7 +213,7 @@ def test_bad_hyper_parameters(params):
 def test_registry_and_client_options():
     assert "fedfa" in available()
     agg = create("fedfa", beta=0.2, gamma_s=0.1, gamma_c=0.7, num_clients=3)
-    assert isinstance(agg, FedFa) and agg.name == "fedfa" and FedFa.needs_num_clients
+    assert isinstance(agg, FedFa) and agg.name == "fedfa" and FedFa.needs.num_clients
     assert FedFa.client_options(FedFa.Params(beta=0.2, gamma_s=0.1, gamma_c=0.7)) == {
         "momentum": 0.7, "report_accuracy": True}
     assert FedFa.client_options(FedFa.Params()) == {"momentum": 0.5, "report_accuracy": True}

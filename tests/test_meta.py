@@ -131,9 +131,9 @@ def test_from_config_and_bad_parameters():
 
 def test_fedmeta_aggregates_like_fedavg_and_asks_for_the_meta_step():
     cls = rule("fedmeta")
-    assert cls.meta_step is True and cls.name == "fedmeta"
-    assert getattr(rule("fedavg"), "meta_step", False) is False
-    assert getattr(rule("uga"), "meta_step", False) is False
+    assert cls.needs.meta_step is True and cls.name == "fedmeta"
+    assert rule("fedavg").needs.meta_step is False
+    assert rule("uga").needs.meta_step is False
     u = torch.randn(4, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     r = RoundUpdates(round=2, client_ids=np.arange(4), updates=u, losses=np.zeros(4),
                      num_samples=np.array([5, 1, 8, 2]), lr=0.1)

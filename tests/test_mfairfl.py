@@ -529,7 +529,7 @@ def test_registered_with_client_options():
     assert "mfairfl" in available() and rule("mfairfl") is MFairFL
     p = MFairFL.Params(notion="ap", eps=0.1, eta_lambda=0.1, alpha=0.5, beta=0.1)
     assert rule("mfairfl").client_options(p) == {"fair_notion": "ap", "fair_eps": 0.1}
-    assert not MFairFL.needs_num_clients
+    assert not MFairFL.needs.num_clients and MFairFL.needs.num_groups
 
 
 def test_config_table():

@@ -283,7 +283,7 @@ def test_columns_options_and_bad_input():
         trainer(model, layout, x, y, s, "xx")
     # the rule asks for this trainer, with these options, and broadcasts its multipliers
     r = aggregators.rule("mfairfl")
-    assert TRAINERS[r.trainer_kind] is LagrangianTrainer
+    assert TRAINERS[r.needs.trainer] is LagrangianTrainer
     assert r.client_options(r.Params(notion="ap", eps=0.1)) == {"fair_notion": "ap", "fair_eps": 0.1}
     agg = aggregators.create("mfairfl", notion="eo", num_groups=2)
     assert np.array_equal(agg.round_inputs(), np.zeros(4)) and agg.round_inputs().dtype == np.float64

@@ -1,4 +1,4 @@
-"""Compute only what the round needs (issue 16): rules declare ``needs_losses``; without it the
+"""Compute only what the round needs (issue 16): rules declare ``needs.losses``; without it the
 trainer skips the pre-training forward pass and reports the first epoch's training loss.
 Rules that read the losses get exactly (bit for bit) the pre-training pass's values, as before."""
 
@@ -126,7 +126,7 @@ def test_rules_declare_needs_losses():
     for name in aggregators.available():  # (plugins' rules are another module's business)
         if not aggregators.rule(name).__module__.startswith("mpifl."):
             continue
-        assert aggregators.rule(name).needs_losses == (name in READ_LOSSES), name
+        assert aggregators.rule(name).needs.losses == (name in READ_LOSSES), name
 
 
 @pytest.mark.parametrize("name", sorted(aggregators.available()))
@@ -135,8 +135,8 @@ def test_trainer_options_skip_the_pass_only_for_rules_that_need_no_losses(name):
     cfg = base.model_copy(update={"server": base.server.model_copy(update={"algorithm": name})})
     cls, options = _trainer_options(cfg, None)  # the options do not depend on the data
     rule = aggregators.rule(name)
-    assert cls is TRAINERS[rule.trainer_kind]
-    if rule.needs_losses:  # exactly the options of before: nothing new reaches the trainer
+    assert cls is TRAINERS[rule.needs.trainer]
+    if rule.needs.losses:  # exactly the options of before: nothing new reaches the trainer
         assert "pretrain_losses" not in options
     else:
         assert options["pretrain_losses"] is False

@@ -47,11 +47,11 @@ def test_clipped_layers_tile_each_block_and_add_up():
 
 
 def test_every_rule_says_whether_it_supports_shards():
-    supported = {n for n in available() if rule(n).supports_shards}
+    supported = {n for n in available() if rule(n).needs.shards is not None}
     assert {"fedavg", "fedprox", "drfl", "uga", "qfedavg", "fedmgda_plus", "fedfv", "fedlf",
             "mfairfl"} <= supported
     for name in set(available()) - supported:
-        assert rule(name).shards_note, name
+        assert rule(name).needs.shards_note, name
 
 
 @pytest.mark.parametrize("ranks,flags", [(2, []), (3, []), (4, []), (3, ["--nonblocking"])])
@@ -75,11 +75,11 @@ def test_the_algorithms_doc_table_says_what_each_rule_does():
     assert set(rows) == set(available())
     for name, (shards, state, why) in rows.items():
         r = rule(name)
-        assert (shards == "yes") == r.supports_shards, name
+        assert (shards == "yes") == (r.needs.shards is not None), name
         keys = [s.strip().strip("`").split("`")[0] for s in state.split(",")
                 if s.strip() not in ("", "-")]
-        assert keys == list(r.sharded_state), name
-        assert why == ("" if r.supports_shards else r.shards_note), name
+        assert keys == list(r.needs.sharded_state), name
+        assert why == ("" if r.needs.shards is not None else r.needs.shards_note), name
 
 
 def test_row_norms_in_chunks_equal_the_whole_float64_norms():

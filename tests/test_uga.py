@@ -297,7 +297,7 @@ def round_of(grads, n, lr=0.1):
 
 def test_aggregator_formula_and_registry():
     cls = rule("uga")
-    assert cls.trainer_kind == "uga" and cls.name == "uga"
+    assert cls.needs.trainer == "uga" and cls.name == "uga"
     g = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     n = np.array([3, 10, 1, 6, 30])
     step = create("uga", eta_g=0.7, seed=2).aggregate(round_of(g, n))

@@ -8,15 +8,20 @@ May import: core, metrics.  Never imports: data, models, store, clients, runtime
     step = agg.aggregate(RoundUpdates(...))          # the server sets w <- w - step
 
 Importing this package imports every module in it, so a new algorithm is one new file whose
-class carries ``@register("name")``; nothing else needs editing.
+class carries ``@register("name")``; nothing else needs editing. What a rule needs from the run
+is its ``needs`` record and the opt-in protocols it implements (:mod:`mpifl.aggregators.needs`).
 """
 
 import importlib
 import pkgutil
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, available, create, register, rule
+from mpifl.aggregators.needs import (BenchInputs, BenchSpec, MemoryRows, Needs, ObservesParams,
+                                     PersonalModels, RoundInputs, Shards, StateRows)
 
-__all__ = ["Aggregator", "RoundUpdates", "available", "create", "register", "rule"]
+__all__ = ["Aggregator", "BenchInputs", "BenchSpec", "MemoryRows", "Needs", "ObservesParams",
+           "PersonalModels", "RoundInputs", "RoundUpdates", "Shards", "StateRows", "available",
+           "create", "register", "rule"]
 
 
 def _import_all() -> None:

@@ -43,6 +43,7 @@ from pydantic import Field
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_num_clients,
                                     check_round_order, register, state_scalar)
+from mpifl.aggregators.needs import Needs
 from mpifl.aggregators.qfedavg import check_losses
 from mpifl.core.params import Params
 
@@ -87,11 +88,9 @@ class AFL(Aggregator):
             non-finite loss; in ``observe_params``, a changed parameter size.
     """
 
-    needs_num_clients = True
-
-    needs_all_clients = True
-    shards_note = ("its running sum of the global models (d,) for evaluation lives on rank 0; "
-                   "not adapted to shards yet")
+    needs = Needs(num_clients=True, all_clients=True,
+                  shards_note="its running sum of the global models (d,) for evaluation lives "
+                              "on rank 0; not adapted to shards yet")
 
     class Params(Params):
         #: step size of the mixture weights lambda; ``eta_lambda = 0`` keeps them uniform.

@@ -13,18 +13,19 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar, final
 
 import numpy as np
 import torch
 from pydantic import ValidationError
 
+from mpifl.aggregators.needs import Needs, partial_protocols
 from mpifl.aggregators.shards import row_sq_norms
 from mpifl.core.params import Params, params_error
 from mpifl.core.registry import Registry
 
 __all__ = ["RULES", "Aggregator", "NoParams", "RoundUpdates", "available", "create", "register",
-           "rule", "check_seed"]
+           "rule", "check_seed", "OLD_FLAGS"]
 
 
 def _as_tensor(x: Any, device: torch.device | None = None) -> torch.Tensor:
@@ -269,39 +270,18 @@ class Aggregator:
 
     name: ClassVar[str] = ""
     Params: ClassVar[type[Params]] = NoParams
-    #: True for rules that keep per-client state over all K clients (e.g. AFL's lambda): the
-    #: server then passes ``num_clients=K`` to the constructor.
-    needs_num_clients: ClassVar[bool] = False
-    #: The local training it needs: a key of :data:`mpifl.clients.TRAINERS` ("uga": keep-trace).
-    trainer_kind: ClassVar[str] = "sgd"
-    #: True for rules followed by FedMeta's server-side meta step (:mod:`mpifl.clients.meta`).
-    meta_step: ClassVar[bool] = False
-    #: True for rules whose state is per sensitive group (mFairFL's multipliers): the server
-    #: then passes ``num_groups=G`` of the data to the constructor.
-    needs_num_groups: ClassVar[bool] = False
-    #: True for rules that need every client in every round (``server.sampling = "all"``, AFL).
-    needs_all_clients: ClassVar[bool] = False
-    #: True for rules that keep a personal model per client (:meth:`personal_params`).
-    personal_models: ClassVar[bool] = False
-    #: True for rules that read the clients' pre-training losses ``RoundUpdates.losses`` (the
-    #: default, to be safe). False lets the trainer skip the forward pass that measures them;
-    #: ``losses`` is then the first epoch's mean training loss (``/rounds/train_loss``, README).
-    needs_losses: ClassVar[bool] = True
-    #: True for rules that run on a sharded server (``server.shards > 1``, issue 14): their
-    #: ``aggregate`` takes every sum over coordinates through RoundUpdates.total/gram/dots/
-    #: dot/norm, acts on ``r.updates`` as a column block, and keeps any d-sized state only in
-    #: the keys of :attr:`sharded_state`. Rules that leave it False say why in
-    #: :attr:`shards_note` (shown in the config error and in docs/ALGORITHMS.md).
-    supports_shards: ClassVar[bool] = False
-    #: State keys (of :meth:`state_dict`) whose arrays are (N, block) column blocks of rows:
-    #: each shard checkpoints its own block, and a resume with another P re-cuts them.
-    sharded_state: ClassVar[tuple[str, ...]] = ()
-    shards_note: ClassVar[str] = "not adapted to a sharded server"
+    #: Everything the rule needs from the run, declared once (:class:`~mpifl.aggregators.needs.
+    #: Needs`: num_clients, num_groups, all_clients, losses, trainer, meta_step, shards,
+    #: shards_note). Whatever only one or two rules need is an opt-in protocol of
+    #: :mod:`mpifl.aggregators.needs` (ObservesParams, PersonalModels, RoundInputs, BenchInputs,
+    #: MemoryRows): the rule defines its methods, and the server tests ``isinstance``.
+    needs: ClassVar[Needs] = Needs()
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         self.seed = check_seed(seed)
         self.params = self.validate_params(params)
 
+    @final
     @classmethod
     def validate_params(cls, params: Mapping[str, Any] | Params) -> Params:
         """``params`` as this rule's validated :attr:`Params` (an instance passes through).
@@ -322,36 +302,9 @@ class Aggregator:
     @classmethod
     def client_options(cls, p: Params) -> dict[str, Any]:
         """Local-training options this rule needs from its validated hyper-parameters ``p``
-        (keyword arguments of :class:`mpifl.clients.VmapTrainer`, e.g. FedProx's
+        (keyword arguments of the trainer ``needs.trainer`` names, e.g. FedProx's
         ``prox_mu = p.mu``); default none."""
         return {}
-
-    def round_inputs(self) -> np.ndarray | None:
-        """Float64 vector broadcast to every client with this round's TRAIN request (mFairFL's
-        multipliers, length ``Columns.inputs`` of the rule's trainer); default None."""
-        return None
-
-    def client_state(self, client_ids: np.ndarray, w: torch.Tensor) -> torch.Tensor | None:
-        """Per-client state rows (m, s) float32 sent with the selected clients of this round
-        (Ditto's personal models, ``Columns.state`` wide), given the round's global parameters
-        w (d,); default None. The trainer's new rows come back in
-        ``RoundUpdates.stats["client_state"]``."""
-        return None
-
-    def personal_params(self, w: torch.Tensor) -> torch.Tensor | None:
-        """(K, d) per-client parameters evaluated beside the global ones w (d,) at every
-        evaluation (Ditto's personal models: ``/eval/personal_accuracy``), for rules with
-        :attr:`personal_models`; default None."""
-        return None
-
-    def observe_params(self, w: torch.Tensor) -> None:
-        """Called by the server with the global parameters (d,) after every round, also when
-        the model did not move (everyone dropped out or was rejected). No-op by default."""
-
-    def evaluation_params(self, w: torch.Tensor) -> torch.Tensor:
-        """The parameters to evaluate given the current global ones (d,); default: ``w``.
-        (AFL evaluates the running average of its iterates.)"""
-        return w
 
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """The step ``s``: (d,) tensor, dtype and device of ``r.updates``; the server sets
@@ -379,11 +332,37 @@ class Aggregator:
         return f"{type(self).__name__}(name={self.name!r}, seed={self.seed})"
 
 
+#: The class attributes of before issue 25 -> what replaced them (a rule still setting one is
+#: refused at registration with this hint, never silently ignored).
+OLD_FLAGS = {
+    "needs_num_clients": "needs = Needs(num_clients=True)",
+    "needs_num_groups": "needs = Needs(num_groups=True)",
+    "needs_all_clients": "needs = Needs(all_clients=True)",
+    "needs_losses": "needs = Needs(losses=False)",
+    "trainer_kind": "needs = Needs(trainer=...)",
+    "meta_step": "needs = Needs(meta_step=True)",
+    "supports_shards": "needs = Needs(shards=Shards(...))",
+    "sharded_state": "needs = Needs(shards=Shards(state=(...)))",
+    "shards_note": "needs = Needs(shards_note=...)",
+    "personal_models": "defining client_state and personal_params (protocol PersonalModels)",
+}
+
+
 def _check_rule(name: str, cls: Any) -> None:
     if not (isinstance(cls, type) and issubclass(cls, Aggregator)):
         raise TypeError(f"rule {name!r} must be an Aggregator subclass, got {cls!r}")
     if not (isinstance(cls.Params, type) and issubclass(cls.Params, Params)):
         raise TypeError(f"rule {name!r}: its Params must subclass mpifl.core.params.Params")
+    old = [a for a in OLD_FLAGS if hasattr(cls, a)]
+    if old:
+        raise TypeError(f"rule {name!r} sets {', '.join(old)}: a rule declares its needs once, "
+                        f"as {'; '.join(OLD_FLAGS[a] for a in old)} "
+                        "(mpifl.aggregators.Needs, Shards)")
+    if not isinstance(cls.needs, Needs):
+        raise TypeError(f"rule {name!r}: needs must be a mpifl.aggregators.Needs record, got "
+                        f"{cls.needs!r}")
+    if partial := partial_protocols(cls):
+        raise TypeError(f"rule {name!r} defines part of a protocol: {'; '.join(partial)}")
 
 
 #: The aggregation rules by name (built-ins and plugins; ``"pkg.module:Class"`` also resolves).

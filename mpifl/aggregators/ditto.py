@@ -4,7 +4,7 @@ Personalization", ICML 2021 (ALGORITHMS.md §7).
 The global model is trained exactly as FedAvg (this rule's step is FedAvg's weighted mean of the
 updates). Every client also keeps a personal model v_k, trained locally on
 ``F_k(v_k) + (lam/2) ||v_k - w^t||^2`` by :class:`mpifl.clients.ditto.DittoTrainer` (requested
-through :attr:`Ditto.trainer_kind` and :meth:`Ditto.client_options`); clients are evaluated on
+through ``Ditto.needs.trainer`` and :meth:`Ditto.client_options`); clients are evaluated on
 v_k as well as on the global model (``/eval/personal_accuracy`` beside
 ``/eval/client_accuracy``).
 
@@ -22,7 +22,7 @@ FedAvg's ``"samples"``, and ``weighting = "uniform"`` is the reference's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from pydantic import Field
 from mpifl.aggregators.base import (RoundUpdates, check_num_clients,
                                     check_round_order, register)
 from mpifl.aggregators.fedavg import FedAvg
+from mpifl.aggregators.needs import BenchSpec, Needs
 
 
 @register("ditto")
@@ -39,7 +40,7 @@ class Ditto(FedAvg):
 
     Args:
         lam: Ditto's lambda >= 0 (passed to local training by :meth:`client_options`).
-        num_clients: K, the number of clients (the server passes it: :attr:`needs_num_clients`).
+        num_clients: K, the number of clients (the server passes it: ``needs.num_clients``).
         weighting: as :class:`~mpifl.aggregators.fedavg.FedAvg` (default ``"samples"``).
         seed: unused (Ditto draws nothing); kept for the common constructor.
 
@@ -54,12 +55,10 @@ class Ditto(FedAvg):
             missing/mis-shaped ``stats["client_state"]``.
     """
 
-    supports_shards = False
-    shards_note = "its personal models (K, d) are sent to and kept at one place"
-
-    needs_num_clients: ClassVar[bool] = True
-    trainer_kind: ClassVar[str] = "ditto"
-    personal_models: ClassVar[bool] = True
+    #: Ditto's local training; its personal models are the protocol PersonalModels
+    #: (:meth:`client_state`, :meth:`personal_params`).
+    needs = Needs(num_clients=True, trainer="ditto", losses=False,
+                  shards_note="its personal models (K, d) are sent to and kept at one place")
 
     class Params(FedAvg.Params):
         #: pull of each personal model towards the global one; 0: purely local models.
@@ -93,6 +92,12 @@ class Ditto(FedAvg):
     def _check_d(self, d: int) -> None:
         if self.V is not None and self.V.shape[1] != d:
             raise ValueError(f"ditto: parameter size changed from {self.V.shape[1]} to {d}")
+
+    @classmethod
+    def bench_inputs(cls) -> BenchSpec:
+        """The benchmarks give it (m, d) personal-model rows as ``stats["client_state"]``
+        (:class:`~mpifl.aggregators.needs.BenchInputs`)."""
+        return BenchSpec(stats={"client_state": ("d",)})
 
     @torch.no_grad()
     def client_state(self, client_ids: np.ndarray, w: torch.Tensor) -> torch.Tensor:

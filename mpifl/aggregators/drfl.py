@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.needs import Needs, Shards
 from mpifl.aggregators.qfedavg import check_losses
 
 
@@ -31,7 +32,7 @@ class DRFL(Aggregator):
         ValueError: in ``aggregate``, a negative or non-finite loss.
     """
 
-    supports_shards = True  # weighted sums of rows: each shard applies the weights to its block
+    needs = Needs(shards=Shards())  # weighted sums of rows: each shard weights its block
 
     @torch.no_grad()
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from typing import Any, Literal
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.needs import Needs, Shards
 from mpifl.core.params import Params
 
 WEIGHTINGS = ("samples", "uniform")
@@ -28,8 +29,9 @@ class FedAvg(Aggregator):
             samples at all under ``"samples"``.
     """
 
-    needs_losses = False  # reads no RoundUpdates.losses (nor do FedProx, Ditto, FedMeta)
-    supports_shards = True  # weighted sums of rows: each shard applies the weights to its block
+    # reads no RoundUpdates.losses (nor do FedProx, Ditto, FedMeta); shards: weighted sums of
+    # rows, each shard applies the weights to its block
+    needs = Needs(losses=False, shards=Shards())
 
     class Params(Params):
         #: ``"samples"``: p_k = n_k / sum n_j (the paper); ``"uniform"``: p_k = 1/m.

@@ -60,6 +60,7 @@ from pydantic import Field
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_num_clients, check_round_order,
                                     register, state_scalar)
+from mpifl.aggregators.needs import BenchSpec, Needs
 from mpifl.core.params import Params
 
 
@@ -106,9 +107,9 @@ class FedFa(Aggregator):
             ``train_accuracy`` statistic, or a changed parameter size.
     """
 
-    needs_num_clients = True
-    needs_losses = False  # its train_accuracy statistic still needs the pre-training pass
-    shards_note = "its server momentum v (d,) is not split into blocks yet"
+    # losses=False: its train_accuracy statistic still needs the pre-training pass
+    needs = Needs(num_clients=True, losses=False,
+                  shards_note="its server momentum v (d,) is not split into blocks yet")
 
     class Params(Params):
         #: weight of participation frequency against training accuracy (alpha = 1 - beta).
@@ -131,6 +132,12 @@ class FedFa(Aggregator):
     def client_options(cls, p: Params) -> dict[str, Any]:
         """Local SGD momentum ``gamma_c`` and the pre-training accuracy statistic."""
         return {"momentum": p.gamma_c, "report_accuracy": True}
+
+    @classmethod
+    def bench_inputs(cls) -> BenchSpec:
+        """The benchmarks give it training accuracies (m,) (:class:`~mpifl.aggregators.needs.
+        BenchInputs`)."""
+        return BenchSpec(stats={"train_accuracy": ()})
 
     @property
     def counts(self) -> np.ndarray:

@@ -27,6 +27,7 @@ from pydantic import Field
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.history import HistoryRing
+from mpifl.aggregators.needs import BenchSpec, Needs, Shards, StateRows
 from mpifl.core.params import Params
 
 
@@ -134,8 +135,23 @@ class FedFV(Aggregator):
         self._last_round = -1
 
     #: Gram form: every d-sum goes through RoundUpdates; the ring holds this shard's columns
-    supports_shards = True
-    sharded_state = ("history_updates",)
+    needs = Needs(shards=Shards(state=("history_updates",)))
+
+    @classmethod
+    def bench_inputs(cls) -> BenchSpec:
+        """Timed beside its direct form :class:`~mpifl.aggregators.fedfv_direct.DirectFedFV`
+        (:class:`~mpifl.aggregators.needs.BenchInputs`)."""
+        return BenchSpec(baseline="mpifl.aggregators.fedfv_direct:direct_like",
+                         forms=("gram", "direct"))
+
+    @classmethod
+    def memory_rows(cls, p: Params, *, num_clients: int, per_round: int,
+                    rounds: int) -> StateRows:
+        """Its history: ``tau`` rounds of m updates (``tau - 1`` with ``external_window =
+        "flgo"``; :class:`~mpifl.aggregators.needs.MemoryRows`)."""
+        keep = p.tau if p.external_window == "paper" else max(p.tau - 1, 0)
+        return StateRows("fedfv.tau", f"FedFV's history of {keep} round(s) of {per_round:,} "
+                         "updates", keep * per_round)
 
     # ---- public -----------------------------------------------------------------------------
 

@@ -22,6 +22,13 @@ from mpifl.aggregators.base import RoundUpdates, check_seed
 from mpifl.aggregators.fedfv import FedFV
 
 
+def direct_like(rule: FedFV, seed: int = 0) -> DirectFedFV:
+    """The direct form with ``rule``'s hyper-parameters: FedFV's benchmark baseline
+    (``FedFV.bench_inputs().baseline``)."""
+    return DirectFedFV(alpha=rule.alpha, tau=rule.tau, order=rule.order,
+                       external_window=rule.external_window, seed=seed)
+
+
 class DirectFedFV:
     """The direct FedFV; same constructor and ``aggregate`` as
     :class:`~mpifl.aggregators.fedfv.FedFV`, plus :meth:`observe`.

@@ -80,6 +80,7 @@ from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order,
                                     state_scalar)
 from mpifl.aggregators.gram import gram
 from mpifl.aggregators.history import HistoryRing, Selection
+from mpifl.aggregators.needs import Needs, Shards, StateRows
 from mpifl.aggregators.qp import solve_simplex_qp
 
 ZERO_TOL = 1e-8          # d_l is zero when ||d_l|| <= ZERO_TOL * mu_l (see the module docstring)
@@ -283,8 +284,17 @@ class FedLF(Aggregator):
             a changed dimension, layers that do not tile the model, non-finite losses.
     """
 
-    supports_shards = True  # layer Grams summed over shards; the ring holds this shard's columns
-    sharded_state = ("history_rows",)
+    #: layer Grams summed over shards; the ring holds this shard's columns
+    needs = Needs(shards=Shards(state=("history_rows",)))
+
+    @classmethod
+    def memory_rows(cls, p: Any, *, num_clients: int, per_round: int,
+                    rounds: int) -> StateRows:
+        """Its history: the latest gradient of each absent client, up to min(K, rounds x m)
+        rows (:class:`~mpifl.aggregators.needs.MemoryRows`)."""
+        rows = min(num_clients, rounds * per_round)
+        return StateRows("data.num_clients", f"FedLF's history of up to {rows:,} absent "
+                         "clients' gradients", rows)
 
     def __init__(self, *, zero_tol: float = ZERO_TOL, seed: int = 0) -> None:
         super().__init__(seed=seed)

@@ -93,6 +93,7 @@ import torch
 from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, check_round_order, register
+from mpifl.aggregators.needs import BenchSpec, Needs, StateRows
 from mpifl.aggregators.gram import gram
 from mpifl.aggregators.history import HistoryRing
 from mpifl.aggregators.qp import solve_simplex_qp
@@ -167,8 +168,9 @@ class FedMDFG(Aggregator):
             the wrong shape.
     """
 
-    shards_note = ("its line search asks the clients for their losses at trial models in the "
-                   "middle of the aggregation, which the shards' protocol does not carry")
+    needs = Needs(shards_note="its line search asks the clients for their losses at trial "
+                              "models in the middle of the aggregation, which the shards' "
+                              "protocol does not carry")
 
     class Params(Params):
         #: angle in degrees between the loss vector and 1 above which the fair guidance joins.
@@ -185,6 +187,19 @@ class FedMDFG(Aggregator):
         self._ring = HistoryRing("fedmdfg", scalars={"coef": np.float64})
         self._last_round = -1
         self._reset_diagnostics()
+
+    @classmethod
+    def bench_inputs(cls) -> BenchSpec:
+        """The benchmarks give it a synthetic ``loss_at`` probe (:class:`~mpifl.aggregators.
+        needs.BenchInputs`)."""
+        return BenchSpec(loss_at=True)
+
+    @classmethod
+    def memory_rows(cls, p: Params, *, num_clients: int, per_round: int,
+                    rounds: int) -> StateRows:
+        """Its last round of m updates (:class:`~mpifl.aggregators.needs.MemoryRows`)."""
+        return StateRows("server.clients_per_round",
+                         f"FedMDFG's last round of {per_round:,} updates", per_round)
 
     # ---- public -----------------------------------------------------------------------------
 

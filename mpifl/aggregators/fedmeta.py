@@ -8,7 +8,7 @@ an aggregator does not see). Contract with the server, after every aggregation (
 other rule when ``server.meta = true``, e.g. "FedMeta w/ UGA" = ``algorithm = "uga"`` +
 ``server.meta = true``):
 
-    if getattr(rule, "meta_step", False) or cfg.server.meta:   # see mpifl.clients.meta.uses_meta_step
+    if rule.needs.meta_step or cfg.server.meta:   # see mpifl.experiment.assemble.uses_meta_step
         w = meta.apply(w)   # w - eta_meta * grad L(w; D_meta); meta: mpifl.clients.meta.MetaStep
 
 The meta step is deterministic (the meta set is drawn from ``run.seed``), so nothing about it
@@ -18,12 +18,13 @@ is checkpointed; this aggregator is stateless like FedAvg.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
 from mpifl.aggregators.base import register
 from mpifl.aggregators.fedavg import FedAvg
+from mpifl.aggregators.needs import Needs
 
 SAMPLINGS = ("iid", "group_balanced")
 
@@ -60,10 +61,10 @@ class FedMeta(FedAvg):
         ValueError: a hyper-parameter out of range.
     """
 
-    #: the server applies MetaStep after this rule's aggregation
-    meta_step: ClassVar[bool] = True
-    supports_shards = False
-    shards_note = "its meta step trains the whole model on the server's meta set at one place"
+    #: the server applies MetaStep after this rule's aggregation (FedAvg's needs otherwise)
+    needs = Needs(losses=False, meta_step=True,
+                  shards_note="its meta step trains the whole model on the server's meta set "
+                              "at one place")
 
     class Params(FedAvg.Params):
         #: step size of the meta step (> 0).

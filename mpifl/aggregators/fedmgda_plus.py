@@ -26,6 +26,7 @@ import torch
 from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.needs import Needs, Shards
 from mpifl.aggregators.qp import solve_simplex_qp
 from mpifl.core.params import Params
 
@@ -53,7 +54,9 @@ class FedMGDAPlus(Aggregator):
             samples.
     """
 
-    needs_losses = False  # reads no RoundUpdates.losses
+    # reads no RoundUpdates.losses; shards: the Gram matrix summed over shards, then a weighted
+    # sum of rows
+    needs = Needs(losses=False, shards=Shards())
 
     class Params(Params):
         #: how far each weight may move from n_k / sum n; 0: fixed sample weights on the
@@ -61,8 +64,6 @@ class FedMGDAPlus(Aggregator):
         eps: float = Field(0.1, ge=0.0, le=1.0)
         #: server step size.
         eta: float = Field(1.0, gt=0.0)
-
-    supports_shards = True  # Gram matrix summed over shards, then a weighted sum of rows
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

@@ -63,6 +63,7 @@ from mpifl.metrics import fairness
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, _index, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.fedfv import projection_order, rescale_to_mean
+from mpifl.aggregators.needs import BenchSpec, Needs, Shards
 from mpifl.core.params import Params
 
 NOTIONS = ("dp", "eo", "ap")
@@ -156,7 +157,7 @@ class MFairFL(Aggregator):
             :func:`mpifl.metrics.fairness.num_constraints`); None: sized by the first round that reports
             constraints, and :attr:`multipliers` is empty (meaning zeros) until then.
         num_groups: G, the number of sensitive groups of the data, from which A follows
-            (``num_constraints(notion, G)``); what a run passes (:attr:`needs_num_groups`).
+            (``num_constraints(notion, G)``); what a run passes (``needs.num_groups``).
             Given together with ``num_constraints``, the two must agree.
         seed: unused (nothing is drawn); kept for the common constructor.
 
@@ -164,7 +165,7 @@ class MFairFL(Aggregator):
     (the values ``c_{a,k}(w^t)`` each client measured before local training) and the Lagrangian
     losses ``l_k`` as ``losses``; broadcast :attr:`multipliers` to the next round's clients. A
     round without ``"constraints"`` leaves the multipliers unchanged (the curation still runs).
-    In a run, the client side is :class:`mpifl.clients.LagrangianTrainer` (:attr:`trainer_kind`),
+    In a run, the client side is :class:`mpifl.clients.LagrangianTrainer` (``needs.trainer``),
     which gets the notion and eps through :meth:`client_options` and λ through
     :meth:`round_inputs` with every TRAIN request.
 
@@ -177,11 +178,10 @@ class MFairFL(Aggregator):
             are non-finite, not 2-D, of a changed width, or of odd width for EO.
     """
 
-    #: the run passes ``num_groups=G`` (the sensitive groups of the data) to the constructor
-    needs_num_groups = True
-    supports_shards = True  # Gram form, goals and multipliers are per client: no d-sized state
-    #: Lagrangian local training (:class:`mpifl.clients.LagrangianTrainer`)
-    trainer_kind = "mfairfl"
+    #: the run passes ``num_groups=G`` (the sensitive groups of the data) to the constructor;
+    #: Lagrangian local training (:class:`mpifl.clients.LagrangianTrainer`); shards: Gram form,
+    #: goals and multipliers are per client, no d-sized state
+    needs = Needs(num_groups=True, trainer="mfairfl", shards=Shards())
 
     class Params(Params):
         #: the group-fairness notion constrained: demographic parity, equalized odds or
@@ -229,8 +229,15 @@ class MFairFL(Aggregator):
         return {"fair_notion": p.notion, "fair_eps": p.eps}
 
     def round_inputs(self) -> np.ndarray:
-        """The multipliers λ (A,) float64 broadcast with every TRAIN request (:attr:`multipliers`)."""
+        """The multipliers λ (A,) float64 broadcast with every TRAIN request (:attr:`multipliers`;
+        :class:`~mpifl.aggregators.needs.RoundInputs`)."""
         return self.multipliers
+
+    @classmethod
+    def bench_inputs(cls) -> BenchSpec:
+        """The benchmarks give it (m, 4) constraint values (DP with 4 groups) and
+        ``num_constraints=4`` (:class:`~mpifl.aggregators.needs.BenchInputs`)."""
+        return BenchSpec(params={"num_constraints": 4}, stats={"constraints": (4,)})
 
     # ---- public -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.needs import Needs, Shards
 from mpifl.core.params import Params
 
 LOSS_EPS = 1e-10
@@ -47,7 +48,7 @@ class QFedAvg(Aggregator):
         #: fairness exponent; ``q = 0`` is FedAvg with uniform weights.
         q: float = Field(1.0, ge=0.0)
 
-    supports_shards = True  # row norms summed over shards, then a weighted sum of rows
+    needs = Needs(shards=Shards())  # row norms summed over shards, then a weighted sum of rows
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

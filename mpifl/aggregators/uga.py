@@ -9,20 +9,21 @@ and the gradient with respect to the round's starting weights); the server steps
 
 Contract with the server: the rows of ``RoundUpdates.updates`` are UGATrainer's **gradients**
 ``g_k`` (no learning rate in them), not pseudo-gradients. The server builds that trainer
-instead of :class:`~mpifl.clients.VmapTrainer` when ``rule.trainer_kind == "uga"``, with the
+instead of :class:`~mpifl.clients.VmapTrainer` for this rule (``needs.trainer = "uga"``), with the
 keyword options of :meth:`UGA.client_options`. ``server.max_update_norm`` then bounds gradient
 norms.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
+from mpifl.aggregators.needs import Needs, Shards
 from mpifl.core.params import Params
 
 
@@ -42,9 +43,9 @@ class UGA(Aggregator):
     """
 
     #: which local computation the server must run for this rule (VmapTrainer's is "sgd")
-    trainer_kind: ClassVar[str] = "uga"
-    needs_losses = False  # reads no RoundUpdates.losses (UGATrainer measures them anyway)
-    supports_shards = True  # weighted sums of rows: each shard applies the weights to its block
+    # keep-trace local training; reads no RoundUpdates.losses (UGATrainer measures them
+    # anyway); shards: weighted sums of rows, each shard applies the weights to its block
+    needs = Needs(trainer="uga", losses=False, shards=Shards())
 
     class Params(Params):
         #: server step size (> 0).

@@ -47,8 +47,8 @@ import torch
 from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
-from mpifl.aggregators import RoundUpdates, available, rule
-from mpifl.aggregators.fedfv_direct import DirectFedFV
+from mpifl.aggregators import BenchInputs, ObservesParams, RoundUpdates, available, rule
+from mpifl.core.registry import import_object
 
 COLUMNS = ("algorithm", "form", "m", "d", "tau", "median_s", "min_s", "max_s", "iqr_s", "bytes",
            "ratio", "max_abs_diff")
@@ -58,13 +58,12 @@ H5_BASELINE_DATASETS = ("ratio", "max_abs_diff")
 BASELINE = "fedfv_direct"     # the HDF5 group / JSON algorithm name of the direct FedFV rows
 
 _RANK = 8          # directions the synthetic updates live in (plus small full-rank noise)
-_NUM_CONSTRAINTS = 4          # mFairFL's A in the benchmark (DP with 4 groups)
 _STATE_WIDTH = "d"            # marker: a stats column as wide as the model
 
 
 @dataclass(frozen=True)
 class Extras:
-    """What a rule needs besides updates, losses and sample counts (one row of :data:`EXTRAS`).
+    """What a rule needs besides updates, losses and sample counts (:func:`extras_for`).
 
     Attributes:
         params: constructor keyword arguments (besides ``seed``, ``tau``, ``num_clients``).
@@ -72,25 +71,30 @@ class Extras:
             ``("d",)`` gives (m, d) (e.g. Ditto's personal-model rows).
         loss_at: give ``RoundUpdates.loss_at`` the synthetic probe of :func:`_loss_probe`.
         all_clients: every client takes part in every round (K = m, ids 0..m-1), as AFL needs.
+        baseline: import path of ``function(rule, seed)`` building a reference implementation
+            timed beside the rule (FedFV's direct form), or None.
+        forms: the rows' ``form`` for the rule and its baseline.
     """
 
     params: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, tuple] = field(default_factory=dict)
     loss_at: bool = False
     all_clients: bool = False
+    baseline: str | None = None
+    forms: tuple[str, str] = ("default", "baseline")
 
 
-#: Rules that need more than the common inputs. A registered rule not listed here gets the common
-#: inputs only (plus ``num_clients`` when it declares ``needs_num_clients``); a rule that still
-#: cannot be built or run is reported as skipped with the error, never a crash.
-EXTRAS: dict[str, Extras] = {
-    "afl": Extras(all_clients=True),
-    "mfairfl": Extras(params={"num_constraints": _NUM_CONSTRAINTS},
-                      stats={"constraints": (_NUM_CONSTRAINTS,)}),
-    "fedfa": Extras(stats={"train_accuracy": ()}),
-    "ditto": Extras(stats={"client_state": (_STATE_WIDTH,)}),
-    "fedmdfg": Extras(loss_at=True),
-}
+def extras_for(cls: type) -> Extras:
+    """The inputs rule class ``cls`` asks for: its ``needs.all_clients`` and, for a rule with
+    :class:`~mpifl.aggregators.BenchInputs`, its ``bench_inputs()``; the common inputs only
+    (plus ``num_clients`` when ``needs.num_clients``) otherwise. A rule that still cannot be
+    built or run is reported as skipped with the error, never a crash."""
+    spec = cls.bench_inputs() if isinstance(cls, BenchInputs) else None
+    all_clients = cls.needs.all_clients
+    if spec is None:
+        return Extras(all_clients=all_clients)
+    return Extras(params=dict(spec.params), stats=dict(spec.stats), loss_at=spec.loss_at,
+                  all_clients=all_clients, baseline=spec.baseline, forms=tuple(spec.forms))
 
 
 @dataclass
@@ -131,7 +135,7 @@ def bench_aggregation(algorithms: Sequence[str] | None, ms: Sequence[int],
     AFL's and mFairFL's multipliers). Every timed call starts from a copy of that state.
     Round t holds the clients ``t*m .. t*m+m-1`` of K = (rounds fed + 1) * m (``num_clients=K``
     where the rule needs it); AFL's rounds hold all of K = m clients. Extra inputs follow
-    :data:`EXTRAS` (mFairFL: (m, 4) constraint values in [-0.05, 0.05); FedFa: training
+    :func:`extras_for` (mFairFL: (m, 4) constraint values in [-0.05, 0.05); FedFa: training
     accuracies in [0, 1); Ditto: (m, d) personal-model rows; FedMDFG: :func:`_loss_probe`).
 
     ``bytes`` = ``4 * d * (m + h + s)``: the float32 d-vectors the call is given or may read,
@@ -484,35 +488,36 @@ def _loss_probe(r: RoundUpdates) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _bench_case(alg, inputs: _Inputs, tau, repeats, warmup, baseline_repeats, dev,
                 seed) -> list[dict]:
-    ex = EXTRAS.get(alg, Extras())
     cls = rule(alg)
+    ex = extras_for(cls)
     fed = tau if tau is not None else 1
     rounds, K = inputs.rounds(ex, fed)
     params = dict(ex.params, seed=seed)
     if tau is not None:
         params["tau"] = tau
-    if getattr(cls, "needs_num_clients", False) or _takes(alg, "num_clients"):
+    if cls.needs.num_clients or _takes(alg, "num_clients"):
         params["num_clients"] = K
     agg = cls(**params)
     history, current = rounds[:-1], rounds[-1]
     for r in history:                  # as the server does: aggregate, then show the new model
         agg.aggregate(r)
-        agg.observe_params(torch.zeros(inputs.d, device=dev))
+        if isinstance(agg, ObservesParams):
+            agg.observe_params(torch.zeros(inputs.d, device=dev))
     times, step = _time(agg, current, repeats, warmup, dev)
     m, d = inputs.m, inputs.d
     state_rows = sum(m for shape in ex.stats.values() if shape == (_STATE_WIDTH,))
     hist_rows = tau * m if tau is not None else 0
     base = dict(algorithm=alg, m=m, d=d, tau=tau, bytes=4 * d * (m + hist_rows + state_rows))
-    if alg != "fedfv":
-        return [_row(base, "default", times, None, None)]
-    direct = DirectFedFV(alpha=agg.alpha, tau=agg.tau, order=agg.order,
-                         external_window=agg.external_window, seed=seed)
+    if ex.baseline is None:
+        return [_row(base, ex.forms[0], times, None, None)]
+    direct = import_object(ex.baseline)(agg, seed)   # e.g. FedFV's direct form
     for r in history:
         direct.observe(r)      # same history as aggregating those rounds, without the cost
     d_times, d_step = _time(direct, current, baseline_repeats, warmup, dev)
     ratio = statistics.median(d_times) / statistics.median(times)
     diff = float((step - d_step).abs().max())
-    return [_row(base, "gram", times, ratio, diff), _row(base, "direct", d_times, 1.0, 0.0)]
+    return [_row(base, ex.forms[0], times, ratio, diff),
+            _row(base, ex.forms[1], d_times, 1.0, 0.0)]
 
 
 def _time(agg, r: RoundUpdates, repeats: int, warmup: int, dev: torch.device):

@@ -55,7 +55,7 @@ import torch
 
 from mpifl.aggregators import RoundUpdates, rule
 from mpifl.aggregators.shards import ShardGroup
-from mpifl.bench.aggregation import (EXTRAS, Extras, _takes, aligned, machine_info,
+from mpifl.bench.aggregation import (Extras, _takes, aligned, extras_for, machine_info,
                                      torch_threads, write_attrs)
 from mpifl.runtime.shard_comm import MPIShardCollectives
 
@@ -165,7 +165,7 @@ def bench_sharded(comm, algorithms: Sequence[str], ms: Sequence[int], ds: Sequen
 
     Args:
         comm: the MPI communicator of the P shards (None: P = 1, this process alone).
-        algorithms: rules that support shards (``supports_shards``).
+        algorithms: rules that support shards (``needs.shards``).
         ms, ds, tau: clients per round, parameters, history lengths (for rules taking tau).
         repeats, warmup: timed and untimed calls; all but the last run on a copy of the
             rule's state (which holds the history: with repeats = 1 and warmup = 0 nothing
@@ -176,8 +176,9 @@ def bench_sharded(comm, algorithms: Sequence[str], ms: Sequence[int], ds: Sequen
         ValueError: a rule that does not support shards, or bad sizes or counts.
     """
     for alg in algorithms:
-        if not rule(alg).supports_shards:
-            raise ValueError(f"{alg} does not run on a sharded server ({rule(alg).shards_note})")
+        if rule(alg).needs.shards is None:
+            raise ValueError(f"{alg} does not run on a sharded server "
+                             f"({rule(alg).needs.shards_note})")
     if not ms or not ds or min(ms) < 1 or min(ds) < 1 or repeats < 1 or warmup < 0 \
             or min(tau) < 0:
         raise ValueError(f"need m, d, repeats >= 1, warmup, tau >= 0; got m={list(ms)}, "
@@ -240,13 +241,13 @@ def _case(comm, alg: str, m: int, d: int, tau: int | None, repeats: int, warmup:
 def _fed_rule(group: ShardGroup, alg: str, m: int, d: int, tau: int | None, fed: int,
               seed: int):
     """The rule after ``fed`` earlier rounds on this shard's block, and the timed round."""
-    ex: Extras = EXTRAS.get(alg, Extras())
     cls = rule(alg)
+    ex: Extras = extras_for(cls)
     params = dict(ex.params, seed=seed)
     if tau is not None:
         params["tau"] = tau
     K = (fed + 1) * m
-    if getattr(cls, "needs_num_clients", False) or _takes(alg, "num_clients"):
+    if cls.needs.num_clients or _takes(alg, "num_clients"):
         params["num_clients"] = K
     agg = cls(**params)
     for t in range(fed + 1):  # one round's block at a time: fed, then dropped (the rule

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mpifl.aggregators import ObservesParams
 from mpifl.aggregators import rule as rule_class
-from mpifl.bench.aggregation import EXTRAS, Extras, _Inputs, _takes
+from mpifl.bench.aggregation import _Inputs, _takes, extras_for
 from mpifl.store.checkpoint import state_round_trip
 
 __all__ = ["StateCheck", "check_rule_state"]
@@ -84,8 +85,8 @@ def check_rule_state(name: str, *, rounds: int = 6, split: int = 3, m: int = 6, 
         rounds, split: 1 <= split < rounds.
         m, d: clients per round and model size of the synthetic rounds.
         params: the rule's hyper-parameters (its ``Params``), besides what the check sets
-            (``seed``, ``num_clients`` and the inputs :data:`mpifl.bench.aggregation.EXTRAS`
-            lists for the built-in rules).
+            (``seed``, ``num_clients`` and the inputs the rule asks for:
+            :func:`mpifl.bench.aggregation.extras_for`).
 
     Raises:
         ValueError: ``split`` or ``rounds`` out of range. LookupError: an unknown rule.
@@ -93,10 +94,10 @@ def check_rule_state(name: str, *, rounds: int = 6, split: int = 3, m: int = 6, 
     if not 1 <= split < rounds:
         raise ValueError(f"need 1 <= split < rounds, got split={split}, rounds={rounds}")
     cls = rule_class(name)
-    ex = EXTRAS.get(name, Extras())
+    ex = extras_for(cls)
     data, K = _Inputs(m, d, rounds - 1, torch.device("cpu"), seed).rounds(ex, rounds - 1)
     kwargs = dict(ex.params, **(params or {}), seed=seed)
-    if getattr(cls, "needs_num_clients", False) or _takes(name, "num_clients"):
+    if cls.needs.num_clients or _takes(name, "num_clients"):
         kwargs["num_clients"] = K
     result = StateCheck(name, rounds, split)
     try:
@@ -123,7 +124,8 @@ def check_rule_state(name: str, *, rounds: int = 6, split: int = 3, m: int = 6, 
 def _step(agg, r, w: torch.Tensor) -> torch.Tensor:
     """One server round: aggregate, move w, show the rule the new model."""
     w = w - agg.aggregate(r).to(w)
-    agg.observe_params(w)
+    if isinstance(agg, ObservesParams):
+        agg.observe_params(w)
     return w
 
 

@@ -19,7 +19,7 @@ from mpifl.clients.uga import UGATrainer
 from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
 
-#: Local-training kinds an aggregation rule can ask for (``Aggregator.trainer_kind``); a plugin
+#: Local-training kinds an aggregation rule can ask for (``Aggregator.needs.trainer``); a plugin
 #: may add a :class:`VmapTrainer` subclass with ``@TRAINERS.register("kind")``.
 TRAINERS: Registry[type[VmapTrainer]] = Registry("trainer")
 for _kind, _cls in (("sgd", VmapTrainer), ("uga", UGATrainer), ("mfairfl", LagrangianTrainer),

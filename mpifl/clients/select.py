@@ -28,7 +28,7 @@ def select_trainer(requested: str, traits: ModelTraits, rule_kind: str, device_t
 
     Args:
         requested: ``client.trainer``. traits: :func:`mpifl.models.model_traits` of the model.
-        rule_kind: the rule's ``trainer_kind`` (``"sgd"`` for plain local SGD).
+        rule_kind: the rule's ``needs.trainer`` (``"sgd"`` for plain local SGD).
         device_type: ``"cpu"`` or ``"cuda"``. rule: the rule's name, for messages.
 
     Returns:

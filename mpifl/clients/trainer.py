@@ -67,7 +67,7 @@ class VmapTrainer:
             pre-training loss, as the statistic ``train_accuracy`` (FedFa's ACC_k).
         pretrain_losses: measure the reported losses with a forward pass of w over every
             client's samples before training (``l_k`` of ALGORITHMS.md §0, what loss-based rules
-            such as FedFV and qFedAvg need). False (rules with ``needs_losses = False``): no
+            such as FedFV and qFedAvg need). False (rules with ``needs.losses = False``): no
             such pass unless ``report_accuracy`` asks for it; the reported loss is then the
             training pass's own: the mean over the client's samples of the minibatch loss of
             the first epoch, each sample's loss taken at the parameters its minibatch's step

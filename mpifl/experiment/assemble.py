@@ -68,7 +68,7 @@ def build_parts(cfg: Config) -> Parts:
         sensitive_feature=d.sensitive_feature, dataset_params=d.params,
         partition_params=d.partition_params)
     rule = aggregators.rule(cfg.server.algorithm)
-    if fed.sensitive is None and (rule.needs_num_groups or (
+    if fed.sensitive is None and (rule.needs.num_groups or (
             uses_meta_step(cfg) and cfg.fedmeta.meta_sampling == "group_balanced")):
         raise ConfigError(f"data.dataset: '{d.dataset}' has no sensitive attribute, which "
                           f"{cfg.server.algorithm} (or the group-balanced meta set) needs")
@@ -79,7 +79,7 @@ def build_parts(cfg: Config) -> Parts:
                         **cfg.model.params)
     with blame([("model", cfg.model.name, MODEL_FACTORIES.get(cfg.model.name))], "check"):
         traits = model_traits(model, fed.input_shape)
-    if traits.buffers and (uses_meta_step(cfg) or rule.personal_models):
+    if traits.buffers and (uses_meta_step(cfg) or isinstance(rule, aggregators.PersonalModels)):
         raise ConfigError(f"model: '{cfg.model.name}' has buffers ({', '.join(traits.buffers)}), "
                           f"which FedMeta's meta step and personal models cannot carry")
     layout = ParamLayout.from_module(model)
@@ -102,7 +102,7 @@ def _check_task(cfg: Config, fed, loss: Loss) -> None:
         raise ConfigError(f"model.loss: '{loss.name}' is a two-class loss; data set "
                           f"'{cfg.data.dataset}' has {fed.num_classes} classes")
     rule = aggregators.rule(cfg.server.algorithm)
-    needs_labels = (rule.needs_num_groups
+    needs_labels = (rule.needs.num_groups
                     or rule.client_options(cfg.rule_params()).get("report_accuracy"))
     if needs_labels and not loss.classification:
         raise ConfigError(f"server.algorithm: '{cfg.server.algorithm}' needs class labels "
@@ -112,23 +112,23 @@ def _check_task(cfg: Config, fed, loss: Loss) -> None:
 def trainer_path(cfg: Config, parts: Parts, device: torch.device) -> tuple[str, str]:
     """``client.trainer`` resolved for this model and device: ``("vmap" | "loop", why)``."""
     rule = aggregators.rule(cfg.server.algorithm)
-    return select_trainer(cfg.client.trainer, parts.traits, rule.trainer_kind, device.type,
+    return select_trainer(cfg.client.trainer, parts.traits, rule.needs.trainer, device.type,
                           cfg.server.algorithm)
 
 
 def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
     """The trainer class of the selected rule and its keyword options: the client section,
     overridden by the rule's own (e.g. FedFa's client momentum gamma_c), and
-    ``pretrain_losses=False`` for rules that read no pre-training losses (``needs_losses``)."""
+    ``pretrain_losses=False`` for rules that read no pre-training losses (``needs.losses``)."""
     c = cfg.client
     rule = aggregators.rule(cfg.server.algorithm)
     options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
                    weight_decay=c.weight_decay, seed=cfg.run.seed,
                    memory_budget_mb=c.memory_budget_mb)
     options.update(rule.client_options(cfg.rule_params()))
-    if not rule.needs_losses:  # no pre-training forward pass unless a statistic needs it
+    if not rule.needs.losses:  # no pre-training forward pass unless a statistic needs it
         options["pretrain_losses"] = False
-    return TRAINERS[rule.trainer_kind], options
+    return TRAINERS[rule.needs.trainer], options
 
 
 def trainer_columns(cfg: Config, parts: Parts):
@@ -193,9 +193,9 @@ def make_aggregator(cfg: Config, parts: Parts):
     (number of clients, of sensitive groups)."""
     params = cfg.algorithm_params()
     rule = aggregators.rule(cfg.server.algorithm)
-    if rule.needs_num_clients:
+    if rule.needs.num_clients:
         params["num_clients"] = parts.fed.num_clients
-    if rule.needs_num_groups:
+    if rule.needs.num_groups:
         groups = group_setup(parts.fed, torch.device("cpu"))
         params["num_groups"] = groups[1] if groups else 0
     return aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
@@ -203,9 +203,8 @@ def make_aggregator(cfg: Config, parts: Parts):
 
 def uses_meta_step(cfg: Config) -> bool:
     """Whether the server applies FedMeta's meta step after every aggregation: the selected rule
-    asks for it (``meta_step = True``, e.g. ``fedmeta``) or ``server.meta = true``."""
-    return bool(getattr(aggregators.rule(cfg.server.algorithm), "meta_step", False)
-                or cfg.server.meta)
+    asks for it (``needs.meta_step``, e.g. ``fedmeta``) or ``server.meta = true``."""
+    return bool(aggregators.rule(cfg.server.algorithm).needs.meta_step or cfg.server.meta)
 
 
 def meta_step_for(cfg: Config, parts: Parts, device: torch.device | str = "cpu") -> MetaStep:

@@ -24,8 +24,10 @@ the whole data set and the model, rank 0 also the server's matrices):
 - **updates** (rank 0, or spread over the ``server.shards`` ranks): the round's (m, d) update
   matrix and the rule's working copy of it, m = ``server.clients_per_round`` (K when
   ``server.sampling = "all"``).
-- **rule state** (rank 0 or the shards): FedFV's history of ``fedfv.tau`` rounds (tau m rows of
-  d), FedLF's absent clients' gradients (up to min(K, rounds x m) rows), FedMDFG's last round
+- **rule state** (rank 0 or the shards), as the rule states it (``memory_rows`` of a
+  :class:`~mpifl.aggregators.MemoryRows` rule; the K personal models of a
+  :class:`~mpifl.aggregators.PersonalModels` rule): FedFV's history of ``fedfv.tau`` rounds
+  (tau m rows of d), FedLF's absent clients' gradients (up to min(K, rounds x m) rows), FedMDFG's last round
   (m rows), a personal-model rule's K personal models (Ditto: the (K, d) store and its
   checkpoint copy on rank 0, each worker's share for evaluation); the server optimizer's d-sized
   moments.
@@ -262,27 +264,31 @@ def _model_key(cfg: Config) -> tuple[str, Any]:
     return ("model.hidden", m.hidden) if m.name == "mlp" and m.hidden else ("model.name", m.name)
 
 
+def _key_value(cfg: Config, key: str, k: int) -> Any:
+    """The value of the config key ``key`` ("section.field"), K for ``data.num_clients`` (the
+    clients the data set can hold)."""
+    if key == "data.num_clients":
+        return k
+    section, _, attr = key.partition(".")
+    table = getattr(cfg, section, None)
+    if table is None and section == cfg.server.algorithm:
+        table = cfg.rule_params()
+    return getattr(table, attr, None)
+
+
 def _rule_rows(cfg: Config, k: int, m: int, world: int
                ) -> list[tuple[str, Any, str, float, str]]:
     """The rule's own d-sized rows: (key, value, what, rows, place), place ``"server"`` (rank 0,
     or spread over the shards), ``"rank0"`` or ``"workers"`` (split over the worker ranks)."""
     s = cfg.server
     name = s.algorithm
-    p = cfg.rule_params()
+    rule = aggregators.rule(name)
     out: list[tuple[str, Any, str, float, str]] = []
-    if name == "fedfv":
-        keep = p.tau if p.external_window == "paper" else max(p.tau - 1, 0)
-        out.append(("fedfv.tau", p.tau, f"FedFV's history of {keep} round(s) of {m:,} updates",
-                    keep * m, "server"))
-    elif name == "fedlf":
-        rows = min(k, cfg.run.rounds * m)
-        out.append(("data.num_clients", k, f"FedLF's history of up to {rows:,} absent clients' "
-                    f"gradients", rows, "server"))
-    elif name == "fedmdfg":
-        out.append(("server.clients_per_round", s.clients_per_round,
-                    f"FedMDFG's last round of {m:,} updates",
-                    m, "server"))
-    if getattr(aggregators.rule(name), "personal_models", False):
+    if isinstance(rule, aggregators.MemoryRows):  # the rule's own d-sized state
+        rows = rule.memory_rows(cfg.rule_params(), num_clients=k, per_round=m,
+                                rounds=cfg.run.rounds)
+        out.append((rows.key, _key_value(cfg, rows.key, k), rows.what, rows.rows, "server"))
+    if isinstance(rule, aggregators.PersonalModels):
         out.append(("data.num_clients", k, f"{name} keeps {k:,} personal models and a "
                     f"checkpoint copy", 2 * k, "rank0"))
         if world > 1:  # every evaluation scatters them to the workers
@@ -335,7 +341,7 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
 
     # results on rank 0: per evaluation K per-client values, per round its rows
     evaluations = -(-cfg.run.rounds // cfg.run.eval_every) + 1
-    columns = 2 * (1 + bool(getattr(aggregators.rule(s.algorithm), "personal_models", False))
+    columns = 2 * (1 + isinstance(aggregators.rule(s.algorithm), aggregators.PersonalModels)
                    + bool(cfg.run.adapt_epochs))
     eval_bytes = 2.0 * evaluations * k * 8 * columns
     round_bytes = 2.0 * cfg.run.rounds * (ROUND_BYTES + 9 * m + 8 * layers)

@@ -389,7 +389,7 @@ def _check_client_options(cfg: Config) -> None:
     name = cfg.server.algorithm
     rule = aggregators.rule(name)
     options = rule.client_options(cfg.rule_params())
-    missing = sorted(set(options) - set(inspect.signature(TRAINERS[rule.trainer_kind]).parameters))
+    missing = sorted(set(options) - set(inspect.signature(TRAINERS[rule.needs.trainer]).parameters))
     if missing:
         raise ConfigError(
             f"server.algorithm: '{name}' needs local training that mpifl's trainer does not have "
@@ -426,10 +426,10 @@ def _check_names(cfg: Config) -> None:
             raise ConfigError(f"{key}: '{name}': {exc}") from None
     get_loss(cfg.model.loss)  # ConfigError "model.loss: ..." for an unknown name
     rule = aggregators.rule(cfg.server.algorithm)
-    if cfg.client.trainer == "loop" and rule.trainer_kind != "sgd":
+    if cfg.client.trainer == "loop" and rule.needs.trainer != "sgd":
         raise ConfigError(f"client.trainer: 'loop' runs plain local SGD (and FedProx); "
                           f"'{cfg.server.algorithm}' trains with its own vectorised trainer "
-                          f"'{rule.trainer_kind}' (use client.trainer = 'auto' or 'vmap')")
+                          f"'{rule.needs.trainer}' (use client.trainer = 'auto' or 'vmap')")
 
 
 def _check_loggers(names: list[str]) -> None:
@@ -451,7 +451,7 @@ def _check_consistency(cfg: Config) -> None:
     _check_client_options(cfg)
     d, s = cfg.data, cfg.server
     rule = aggregators.rule(s.algorithm)
-    if rule.needs_all_clients and s.sampling != "all":
+    if rule.needs.all_clients and s.sampling != "all":
         raise ConfigError(f"server.sampling: {s.algorithm} needs every client every round, set "
                           f"server.sampling = \"all\" (got '{s.sampling}')")
     if s.sampling != "all" and s.clients_per_round > d.num_clients:
@@ -471,15 +471,15 @@ def _check_consistency(cfg: Config) -> None:
         )
     _check_tabular(d)
     builtin_without_groups = d.dataset in DATASETS and d.dataset not in TABULAR
-    if rule.needs_num_groups and builtin_without_groups:
+    if rule.needs.num_groups and builtin_without_groups:
         raise ConfigError(f"data.dataset: {s.algorithm}'s group-fairness constraints need a binary "
                           f"task with a sensitive attribute ({', '.join(TABULAR)} or a plugin data "
                           f"set with one), got '{d.dataset}'")
-    meta = s.meta or rule.meta_step
+    meta = s.meta or rule.needs.meta_step
     if s.shards > 1:
-        if not rule.supports_shards:
+        if rule.needs.shards is None:
             raise ConfigError(f"server.shards: {s.algorithm} cannot run on a sharded server "
-                              f"({rule.shards_note}); set server.shards = 1")
+                              f"({rule.needs.shards_note}); set server.shards = 1")
         if s.meta:
             raise ConfigError("server.shards: FedMeta's meta step (server.meta) trains the whole "
                               "model at one place; set server.shards = 1 or server.meta = false")

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from mpifl.aggregators import PersonalModels
 from mpifl.aggregators.shards import ShardGroup, shard_bounds
 from mpifl.core.errors import EXIT_BAD_INPUT, ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
@@ -386,12 +387,12 @@ def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, pr
     if start.ckpt is not None:
         if shard is None:  # a sharded checkpoint's blocks are joined (resuming with P = 1)
             aggregator.load_state_dict(checkpoint.aggregator_state(
-                start.ckpt, aggregator.sharded_state, parts.layout.d))
+                start.ckpt, aggregator.needs.sharded_state, parts.layout.d))
         w, first = torch.from_numpy(start.ckpt.w), start.ckpt.round
     writer = ResultsWriter(out, cfg.to_json(), world_size=size, num_clients=parts.fed.num_clients,
                            num_layers=len(parts.layout.layers), algorithm=cfg.server.algorithm,
                            group_metrics=group_setup(parts.fed, device) is not None,
-                           personal_metrics=aggregator.personal_models,
+                           personal_metrics=isinstance(aggregator, PersonalModels),
                            adapted_metrics=cfg.run.adapt_epochs > 0,
                            loss_metrics=not parts.loss.classification,
                            history=start.ckpt.history if start.ckpt else None,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from mpifl.aggregators import RoundUpdates
+from mpifl.aggregators import ObservesParams, PersonalModels, RoundInputs, RoundUpdates
 from mpifl.clients.faults import accepted, dropped_out
 from mpifl.core.blame import blame, origin
 from mpifl.core.errors import MpiflError, OutputError
@@ -114,7 +114,8 @@ class Server:
         saved = time.monotonic()
         for rnd in bar:
             w, row = self._round(rnd, w)
-            self.aggregator.observe_params(w)
+            if isinstance(self.aggregator, ObservesParams):
+                self.aggregator.observe_params(w)
             summary = None
             if eval_due(rnd, rounds, self.cfg.run.eval_every):
                 row["time_eval"], summary = self._evaluate(rnd, w, row)
@@ -156,7 +157,8 @@ class Server:
                 raise OutputError(f"cannot write checkpoint after round {rounds_done}: shard(s) "
                                   f"{', '.join(map(str, failed))} could not write their files "
                                   "(their ranks logged why); the previous checkpoints are kept")
-            state = {k: v for k, v in state.items() if k not in self.aggregator.sharded_state}
+            state = {k: v for k, v in state.items()
+                     if k not in self.aggregator.needs.sharded_state}
             bounds = self.shard.group.bounds
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
                           self.cfg.to_json(), self.world_size, self.checkpoints, bounds,
@@ -182,9 +184,11 @@ class Server:
                "selected": selected, "aggregated": np.zeros(len(selected), dtype=bool)}
         if len(ids) == 0:
             return w, row  # everyone dropped out: the model does not move
+        agg = self.aggregator
         state = (self.local.of(ids).to(w.device) if self.local is not None
-                 else self.aggregator.client_state(ids, w))
-        res = self.clients.train(rnd, lr, ids, w, self.aggregator.round_inputs(), state)
+                 else agg.client_state(ids, w) if isinstance(agg, PersonalModels) else None)
+        inputs = agg.round_inputs() if isinstance(agg, RoundInputs) else None
+        res = self.clients.train(rnd, lr, ids, w, inputs, state)
         row.update(train_loss=float(res.losses.double().mean()), bytes_moved=res.bytes_moved,
                    time_broadcast=res.time_broadcast, time_train=res.time_train,
                    time_gather=res.time_gather, peak_rss_server_mb=res.peak_rss_server / 2**20,
@@ -271,8 +275,11 @@ class Server:
     def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None) -> tuple[float, dict]:
         """Evaluate every client; the round's ``row`` gets the peak memory after it."""
         t0 = time.perf_counter()
-        rep = self.clients.evaluate(self.aggregator.evaluation_params(w),
-                                    self.aggregator.personal_params(w), self._adapt(rnd),
+        agg = self.aggregator
+        rep = self.clients.evaluate(agg.evaluation_params(w) if isinstance(agg, ObservesParams)
+                                    else w,
+                                    agg.personal_params(w) if isinstance(agg, PersonalModels)
+                                    else None, self._adapt(rnd),
                                     None if self.local is None else self.local.rows)
         acc, loss = rep.accuracy, rep.loss
         if row is not None and rep.peak_rss is not None:  # evaluation often peaks highest

@@ -13,7 +13,7 @@ clients). After a TRAIN request shard j holds column block j of every selected c
 4. the conflict counts (MC, LC) from partial dot products, one more allsum;
 5. shard 0 gathers the step's blocks into the full (d,) step and moves the model.
 
-Checkpoints: each shard writes the column blocks of the rule's :attr:`sharded_state` keys to
+Checkpoints: each shard writes the column blocks of the rule's ``needs.sharded_state`` keys to
 its own file beside rank 0's checkpoint (:mod:`mpifl.store.checkpoint`), which lists them.
 """
 
@@ -144,7 +144,7 @@ class ShardServer:
             state = self.aggregator.state_dict()
             checkpoint.save_shard(folder, rounds_done, self.group.index, self.group.size,
                                   self.group.lo, self.group.hi, self.group.d,
-                                  {k: state[k] for k in self.aggregator.sharded_state})
+                                  {k: state[k] for k in self.aggregator.needs.sharded_state})
         except OutputError as exc:
             log.error("shard %d: %s", self.group.index, exc)
             return 1.0
@@ -158,6 +158,6 @@ class ShardServer:
             OutputError: a missing or damaged shard file, or one that does not match.
         """
         state = dict(ckpt.aggregator)
-        state.update(checkpoint.state_block(ckpt, self.aggregator.sharded_state,
+        state.update(checkpoint.state_block(ckpt, self.aggregator.needs.sharded_state,
                                             self.group.lo, self.group.hi))
         self.aggregator.load_state_dict(state)

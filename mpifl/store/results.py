@@ -81,7 +81,7 @@ ROUND_COLUMNS: dict[str, tuple[str, str]] = {
     "round": ("i8", "round index t (0-based)"),
     "num_clients": ("i8", "clients whose updates were aggregated"),
     "train_loss": ("f8", "mean training loss of the aggregated clients: of the global model "
-                         "before training for rules that need it (needs_losses), else the mean "
+                         "before training for rules that need it (needs.losses), else the mean "
                          "minibatch loss of the first local epoch"),
     "lr": ("f8", "client learning rate lr_t"),
     "conflicts_model": ("i8", "MC: selected clients with u_k . s < 0"),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from mpifl.plugin import Aggregator, Params, RoundUpdates, register_rule
+from mpifl.plugin import Aggregator, Needs, Params, RoundUpdates, register_rule
 
 
 @register_rule("trimmed_mean")
@@ -30,7 +30,7 @@ class TrimmedMean(Aggregator):
         ValueError: ``trim`` outside [0, 0.5).
     """
 
-    needs_losses = False  # it never reads r.losses: clients skip the pre-training pass
+    needs = Needs(losses=False)  # it never reads r.losses: clients skip the pre-training pass
 
     class Params(Params):
         #: share of the updates dropped at each end of every coordinate; 0: the plain mean.
@@ -63,7 +63,7 @@ class CenteredClip(Aggregator):
         ValueError: ``tau`` not positive, ``iterations`` not in 1..10, or a state of another size.
     """
 
-    needs_losses = False
+    needs = Needs(losses=False)
 
     class Params(Params):
         #: radius of the clipping ball around the centre, in update norm units.
