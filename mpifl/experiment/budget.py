@@ -58,7 +58,6 @@ import torch
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
 from mpifl.data import synthetic
-from mpifl.data.federated import DATASETS
 from mpifl.data.tabular import ROW_COUNTS, SCHEMAS, TABULAR
 from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
