@@ -70,8 +70,8 @@ class RunConfig(_Section):
     # + checkpoint)
     peer_timeout_s: float = Field(0.0, ge=0.0, le=1e7)
     # seconds a rank may spend in MPI_Init (every rank waits there for all the others) before it
-    # exits with status 1 and the launcher ends the job, which a SLURM job then launches again;
-    # 0 = forever
+    # prints one line and is ended, and the launcher ends the job, which a SLURM job then
+    # launches again; 0 = forever
     init_timeout_s: float = Field(300.0, ge=0.0, le=1e7)
     # seconds a rank waits for the others at each step of set-up (plugins, config, data, model,
     # checkpoint) before ending every rank with status 2: a rank that failed hard or was stopped

@@ -48,7 +48,6 @@ one-process runs work without an MPI library.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import resource
 import sys
@@ -114,24 +113,49 @@ def world(init_timeout_s: float = 0.0):
     Args:
         init_timeout_s: seconds this rank may spend in MPI_Init (the first import of
             ``mpi4py.MPI``; every rank waits there for all the others), 0 = forever. A rank
-            still in it then prints "Timeout" and where it waits, and exits with status 1, so
-            the launcher ends every rank and a SLURM job's next launch can follow. Seen under
-            ``srun --mpi=pmi2`` when the PMI exchange breaks (slurm/README.md).
+            still in it then prints one line (``mpifl: error: rank r: MPI_Init did not finish
+            ...``) and is ended with SIGKILL, so the launcher ends every rank and a SLURM job's
+            next launch can follow. Seen under ``srun --mpi=pmi2`` when the PMI exchange breaks
+            (slurm/README.md).
     """
     try:
         import mpi4py  # noqa: F401  (installed? MPI_Init comes with mpi4py.MPI)
     except ImportError:
         return None
-    watch = init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules
-    if watch:  # faulthandler's watchdog is a C thread: it fires inside MPI_Init, where a
-        # Python signal handler or thread would wait for the import to give the interpreter back
-        faulthandler.dump_traceback_later(init_timeout_s, exit=True, file=sys.__stderr__)
+    watchdog = (_init_watchdog(init_timeout_s)
+                if init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules else None)
     try:
         from mpi4py import MPI
     finally:
-        if watch:
-            faulthandler.cancel_dump_traceback_later()
+        if watchdog is not None:
+            watchdog.stdin.close()  # the watchdog reads end-of-file and leaves
+            watchdog.wait()
     return MPI.COMM_WORLD
+
+
+#: The init watchdog, a separate small process: nothing in this one can run while it is inside
+#: MPI_Init (the import holds the interpreter). It waits for its standard input to close (MPI_Init
+#: returned, or this process died) for at most the timeout; then it prints one line and ends
+#: this process.
+_WATCHDOG = """
+import os, select, signal, sys
+pid, timeout, rank = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], timeout)[0]:
+    sys.stderr.write(f"mpifl: error: rank {rank}: MPI_Init did not finish within "
+                     f"run.init_timeout_s = {timeout:g} s (a rank did not start or stopped before "
+                     "it, or the launcher's PMI exchange broke); ending this rank\\n")
+    sys.stderr.flush()
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+def _init_watchdog(timeout_s: float):
+    import subprocess
+
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK",
+                                         "SLURM_PROCID") if v in os.environ), "0")
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), f"{timeout_s:g}",
+                             rank], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
 
 def launched_size() -> int:
