@@ -22,10 +22,9 @@ from mpifl.sweep.report import report_sweep
 
 def _env_rank() -> int:
     """This process's MPI rank from the launcher's environment (before MPI is initialised)."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var])
-    return 0
+    from mpifl.runtime.comm import launched_rank
+
+    return launched_rank()
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -68,7 +67,9 @@ def _run_seeds(args: argparse.Namespace) -> int:
     if args.overwrite or args.resume:
         raise MpiflError("--seeds resumes unfinished runs and skips finished ones by itself; "
                          "drop --overwrite/--resume (or remove the folder to start over)")
-    if int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))) > 1:
+    from mpifl.runtime.comm import launched_size
+
+    if launched_size() > 1:
         raise MpiflError("--seeds starts its own runs: call it without mpiexec/srun "
                          "(--ranks N sets the MPI ranks of each run)")
     if args.ranks < 1:

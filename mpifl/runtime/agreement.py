@@ -30,6 +30,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from mpifl.core.errors import EXIT_BAD_INPUT, MpiflError
+from mpifl.runtime.comm import ABORT_GRACE_S
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
 
 log = logging.getLogger("mpifl")
@@ -173,7 +174,7 @@ class SetUp:
     def _abort(self, line: str) -> None:
         print(f"mpifl: error: rank {self.rank}: {line}; ending every rank of the job",
               file=sys.stderr, flush=True)
-        time.sleep(0.5)  # let mpiexec forward the line before the job is torn down
+        time.sleep(ABORT_GRACE_S)  # let mpiexec forward the line before the job is torn down
         self.comm.Abort(EXIT_BAD_INPUT)
 
 

@@ -152,10 +152,17 @@ if not select.select([sys.stdin], [], [], timeout)[0]:
 def _init_watchdog(timeout_s: float):
     import subprocess
 
-    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK",
-                                         "SLURM_PROCID") if v in os.environ), "0")
     return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), f"{timeout_s:g}",
-                             rank], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                             str(launched_rank())], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)
+
+
+def launched_rank() -> int:
+    """This process's rank from the launcher's environment, before MPI_Init (0 without one)."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 def launched_size() -> int:
