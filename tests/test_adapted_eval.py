@@ -19,6 +19,7 @@ from mpifl.clients import VmapTrainer, client_minibatches
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.experiment.assemble import build_parts
+from mpifl.experiment.plan import make_plan
 from mpifl.experiment.config import RESUME_MUTABLE, config_diff, load_config
 from mpifl.models import build_model
 from mpifl.store.results import read_results
@@ -172,7 +173,7 @@ def test_stored_accuracies_equal_the_per_client_oracle(runs, job):
                                rtol=1e-12)
     lowest = np.sort(ev["adapted/client_accuracy"], axis=1)[:, 0]  # K = 10: worst 5% = 1 client
     np.testing.assert_array_equal(ev["adapted/worst5"], lowest)
-    parts = build_parts(cfg)
+    parts = build_parts(make_plan(cfg))
     fed = parts.fed
     with h5py.File(runs["on1"], "r") as f:
         w = torch.from_numpy(f["model/global"][()])  # fedfv evaluates w itself

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mpifl.experiment.config import load_config
-from mpifl.experiment.run import build_parts
+from mpifl.experiment.assemble import build_parts
+from mpifl.experiment.plan import make_plan
 from mpifl.metrics.fairness import group_violations, violations_from_counts
 from tests.helpers import mpiexec
 
@@ -65,7 +66,7 @@ def test_adult_evaluations_match_a_direct_computation(tmp_path):
     # direct: predict the union of every client's test split with the final model
     cfg = load_config(ROOT / "jobs" / "fmnist-fedfv.toml",
                       [a for a in ADULT if a != "--set"])
-    parts = build_parts(cfg)
+    parts = build_parts(make_plan(cfg))
     fed = parts.fed
     test = np.concatenate([fed.test_indices(k) for k in range(fed.num_clients)])
     params = parts.layout.unflatten(w)

@@ -14,7 +14,8 @@ from mpifl.experiment.config import load_config
 from mpifl.data.federated import FederatedData
 from mpifl.core.errors import ConfigError
 from mpifl.clients.meta import MetaStep, meta_indices
-from mpifl.experiment.assemble import Parts, meta_step_for, uses_meta_step
+from mpifl.experiment.assemble import Parts, meta_step_for
+from mpifl.experiment.plan import make_plan
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model, get_loss, model_traits
 
@@ -112,8 +113,9 @@ def test_apply_is_one_gradient_step_on_the_meta_set():
 def test_from_config_and_bad_parameters():
     fed = make_fed()
     model, layout = model_of(fed)
-    cfg = load_config(None, ["run.seed=5", "fedmeta.meta_size=12", "fedmeta.eta_meta=0.05"])
-    meta = meta_step_for(cfg, Parts(fed, model, layout, layout.flatten_module(model), get_loss("cross_entropy"), model_traits(model, fed.input_shape)))
+    cfg = load_config(None, ["run.seed=5", "fedmeta.meta_size=12", "fedmeta.eta_meta=0.05",
+                             "server.meta=true"])
+    meta = meta_step_for(make_plan(cfg), Parts(fed, model, layout, layout.flatten_module(model), get_loss("cross_entropy"), model_traits(model, fed.input_shape)))
     assert meta.meta_size == 12 and meta.eta_meta == 0.05 and meta.meta_sampling == "iid"
     assert np.array_equal(meta.indices, meta_indices(fed, seed=5, size=12))
     for bad in (dict(eta_meta=0.0), dict(eta_meta=float("nan")), dict(meta_size=0),
@@ -151,12 +153,12 @@ def test_config_tables():
     cfg = load_config(None)
     assert cfg.uga.eta_g == 1.0 and cfg.uga.max_traced_clients is None
     assert cfg.fedmeta.meta_sampling == "iid" and cfg.server.meta is False
-    assert not uses_meta_step(cfg)
+    assert make_plan(cfg).meta is None
     cfg = load_config(None, ["server.algorithm=uga", "uga.eta_g=0.5", "server.meta=true"])
     params = cfg.algorithm_params()
     assert params == {"eta_g": 0.5, "max_traced_clients": None}
     assert create("uga", **params).eta_g == 0.5  # the table is the constructor's keywords
-    assert uses_meta_step(cfg)
+    assert make_plan(cfg).meta is not None
     # (the server routes client_options to UGATrainer; config's check of them against the
     # trainer's signature is the lead's wiring, so the table is validated under another rule)
     table = load_config(None, ["uga.max_traced_clients=4"]).uga
@@ -164,7 +166,7 @@ def test_config_tables():
     assert rule("uga").client_options(table) == {"max_traced_clients": 4}
     assert create("uga", **params).max_traced_clients == 4
     cfg = load_config(None, ["server.algorithm=fedmeta", "fedmeta.meta_size=7"])
-    assert uses_meta_step(cfg) and create("fedmeta", **cfg.algorithm_params()).meta_size == 7
+    assert make_plan(cfg).meta is not None and create("fedmeta", **cfg.algorithm_params()).meta_size == 7
     # a group-balanced meta set is only refused where it would be used
     load_config(None, ["fedmeta.meta_sampling=group_balanced"])
     load_config(None, ["data.dataset=adult", "data.partition=iid", "server.algorithm=fedmeta",

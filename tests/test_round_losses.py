@@ -14,7 +14,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from mpifl import aggregators
 from mpifl.clients import TRAINERS, VmapTrainer, client_minibatches
 from mpifl.core.layout import ParamLayout
-from mpifl.experiment.assemble import _trainer_options
+from mpifl.experiment.plan import _trainer_plan
 from mpifl.experiment.config import load_config
 from mpifl.models import build_model
 
@@ -133,8 +133,9 @@ def test_rules_declare_needs_losses():
 def test_trainer_options_skip_the_pass_only_for_rules_that_need_no_losses(name):
     base = load_config(MAIN_JOB)  # the rule swapped in without the cross-field checks
     cfg = base.model_copy(update={"server": base.server.model_copy(update={"algorithm": name})})
-    cls, options = _trainer_options(cfg, None)  # the options do not depend on the data
     rule = aggregators.rule(name)
+    plan = _trainer_plan(cfg, rule)  # the options do not depend on the data
+    cls, options = plan.cls, plan.options
     assert cls is TRAINERS[rule.needs.trainer]
     if rule.needs.losses:  # exactly the options of before: nothing new reaches the trainer
         assert "pretrain_losses" not in options

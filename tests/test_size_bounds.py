@@ -19,6 +19,7 @@ from mpifl import aggregators
 from mpifl.core.errors import ConfigError
 from mpifl.experiment import budget
 from mpifl.experiment.assemble import build_parts
+from mpifl.experiment.plan import make_plan
 from mpifl.experiment.config import load_config, schema
 from mpifl.models import build_model
 
@@ -107,7 +108,7 @@ def test_the_estimate_matches_the_data_and_model_built(monkeypatch):
     cfg = load_config(None, [*SYNTHETIC, "data.num_clients=300", "server.algorithm=ditto",
                              "model.hidden=[32]"])
     est = budget.estimate(cfg, ranks=1, world=1)
-    parts = build_parts(cfg)
+    parts = build_parts(make_plan(cfg))
     fed = parts.fed
     actual = sum(a.nbytes for a in (fed.x, fed.y, fed.train_idx, fed.test_idx, fed.train_ptr,
                                     fed.test_ptr))

@@ -8,7 +8,7 @@ an aggregator does not see). Contract with the server, after every aggregation (
 other rule when ``server.meta = true``, e.g. "FedMeta w/ UGA" = ``algorithm = "uga"`` +
 ``server.meta = true``):
 
-    if rule.needs.meta_step or cfg.server.meta:   # see mpifl.experiment.assemble.uses_meta_step
+    if rule.needs.meta_step or cfg.server.meta:   # see mpifl.experiment.plan.make_plan (Plan.meta)
         w = meta.apply(w)   # w - eta_meta * grad L(w; D_meta); meta: mpifl.clients.meta.MetaStep
 
 The meta step is deterministic (the meta set is drawn from ``run.seed``), so nothing about it

@@ -176,7 +176,8 @@ def bench_simulate(*, config: str | Path | None = None, overrides: Sequence[str]
 def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, model, dev,
               progress) -> dict[str, Any]:
     from mpifl.experiment.config import load_config
-    from mpifl.experiment.run import build_parts
+    from mpifl.experiment.assemble import build_parts
+    from mpifl.experiment.plan import make_plan
 
     path = config if config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     extra = [f"client.batch_size={batch_size}"] if batch_size is not None else []
@@ -185,7 +186,7 @@ def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, 
     cfg = load_config(path, [*overrides, *extra])
     if cfg.data.num_clients < clients_per_round:
         cfg = load_config(path, [*overrides, *extra, f"data.num_clients={clients_per_round}"])
-    parts = build_parts(cfg)
+    parts = build_parts(make_plan(cfg))
     fed, layout = parts.fed, parts.layout
     K, m, c = fed.num_clients, clients_per_round, cfg.client
     seed = cfg.run.seed

@@ -10,7 +10,7 @@ training pool (the union of the clients' train splits): IID (default), or group-
 (equal counts per sensitive group, for fairness studies on data with a sensitive attribute).
 
 Server contract: :func:`mpifl.experiment.assemble.meta_step_for` builds it on rank 0 when
-:func:`mpifl.experiment.assemble.uses_meta_step` is true, and after every aggregation
+the run's plan has a meta step (:attr:`mpifl.experiment.plan.Plan.meta`), and after every aggregation
 (``w <- w - s``) set ``w = meta.apply(w)``. The step depends only on w and ``run.seed``: nothing
 to checkpoint, a resumed run rebuilds the same meta set.
 """

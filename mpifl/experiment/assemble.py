@@ -1,9 +1,11 @@
-"""Assembling an experiment's parts from its config, identically on every rank: the device, the
-federated data, the model, its loss and initial parameters, the trainer path, the meta step."""
+"""Assembling an experiment's parts from its plan (:mod:`mpifl.experiment.plan`), identically on
+every rank: the device, the federated data, the model, its loss and initial parameters, the
+trainer, the rule, the meta step."""
 
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,24 +13,28 @@ import numpy as np
 import torch
 
 from mpifl import aggregators
-from mpifl.clients import TRAINERS, VmapTrainer
+from mpifl.clients import VmapTrainer
 from mpifl.clients.blamed import Blamed
 from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
 from mpifl.clients.faults import NaNClients
 from mpifl.clients.meta import MetaStep
-from mpifl.core.errors import ConfigError, MpiflError
+from mpifl.aggregators.server_opt import ServerOptimizer, ServerOptimizerParams
+from mpifl.core.errors import ConfigError, MpiflError, OutputError
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
-from mpifl.experiment.budget import check_budget
-from mpifl.experiment.config import Config
+from mpifl.experiment.plan import Plan
 from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
                           model_traits)
 from mpifl.models.zoo import batchnorm_coordinates
 from mpifl.runtime.backends import group_setup
+from mpifl.runtime.client_state import LocalCoordinates
 from mpifl.runtime.comm import local_rank
+from mpifl.store import checkpoint
+
+log = logging.getLogger("mpifl")
 
 
 @dataclass
@@ -41,128 +47,121 @@ class Parts:
     traits: ModelTraits  # buffers, random layers, convolutions (decide the trainer path)
     #: (s,) positions in w that stay with each client (model.batchnorm local; empty: none)
     local_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: G sensitive groups of a two-class task with a sensitive attribute (0: no group metrics)
+    num_groups: int = 0
 
 
-def device_for(cfg: Config, rank: int) -> torch.device:
+def device_for(plan: Plan, rank: int) -> torch.device:
     """``server.device``: auto picks this rank's GPU (by local rank) when CUDA is present."""
-    if cfg.server.device == "cpu" or not torch.cuda.is_available():
-        if cfg.server.device == "cuda":
+    if plan.device == "cpu" or not torch.cuda.is_available():
+        if plan.device == "cuda":
             raise MpiflError("server.device: 'cuda' requested but no CUDA device is available")
         return torch.device("cpu")
     return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
 
 
-def build_parts(cfg: Config) -> Parts:
-    """Data, model and initial parameters, identical on every rank for the same config.
+def build_parts(plan: Plan) -> Parts:
+    """Data, model and initial parameters, identical on every rank for the same plan.
 
-    Refuses first, before any data or model is built, a config whose run would not fit in this
-    node's memory (:func:`mpifl.experiment.budget.check_budget`)."""
-    check_budget(cfg)
-    d = cfg.data
+    Raises:
+        ConfigError: the data, the loss and the rule do not fit together (a rule that needs
+            groups on data without a sensitive attribute, labels against a regression loss).
+        DataError: a missing or damaged data set.
+    """
+    d, seed = plan.data, plan.seed
     fed = load_federated(
-        d.dataset, partition=d.partition, num_clients=d.num_clients, seed=cfg.run.seed,
+        d.dataset, partition=d.partition, num_clients=d.num_clients, seed=seed,
         train_fraction=d.train_fraction, data_root=d.data_root,
         classes_per_client=d.classes_per_client, dirichlet_alpha=d.dirichlet_alpha,
         classes=d.classes, synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
         heterogeneity=d.heterogeneity, group_proportions=d.group_proportions,
         sensitive_feature=d.sensitive_feature, dataset_params=d.params,
         partition_params=d.partition_params)
-    rule = aggregators.rule(cfg.server.algorithm)
-    if fed.sensitive is None and (rule.needs.num_groups or (
-            uses_meta_step(cfg) and cfg.fedmeta.meta_sampling == "group_balanced")):
+    if fed.sensitive is None and (plan.needs.num_groups or (
+            plan.meta is not None and plan.meta.meta_sampling == "group_balanced")):
         raise ConfigError(f"data.dataset: '{d.dataset}' has no sensitive attribute, which "
-                          f"{cfg.server.algorithm} (or the group-balanced meta set) needs")
-    loss = get_loss(cfg.model.loss)
-    _check_task(cfg, fed, loss)
-    model = build_model(cfg.model.name, fed.input_shape, loss.width(fed.num_classes),
-                        hidden=cfg.model.hidden, output=cfg.model.output, seed=cfg.run.seed,
-                        **cfg.model.params)
-    with blame([("model", cfg.model.name, MODEL_FACTORIES.get(cfg.model.name))], "check"):
+                          f"{plan.rule} (or the group-balanced meta set) needs")
+    m = plan.model
+    loss = get_loss(m.loss)
+    _check_task(plan, fed, loss)
+    model = build_model(m.name, fed.input_shape, loss.width(fed.num_classes), hidden=m.hidden,
+                        output=m.output, seed=seed, **m.params)
+    with blame([("model", m.name, MODEL_FACTORIES.get(m.name))], "check"):
         traits = model_traits(model, fed.input_shape)
-    if traits.buffers and (uses_meta_step(cfg) or isinstance(rule, aggregators.PersonalModels)):
-        raise ConfigError(f"model: '{cfg.model.name}' has buffers ({', '.join(traits.buffers)}), "
+    if traits.buffers and (plan.meta is not None or plan.personal):
+        raise ConfigError(f"model: '{m.name}' has buffers ({', '.join(traits.buffers)}), "
                           f"which FedMeta's meta step and personal models cannot carry")
     layout = ParamLayout.from_module(model)
-    local = batchnorm_coordinates(model, layout, cfg.model.batchnorm)
-    if len(local) and (cfg.server.shards > 1 or cfg.run.adapt_epochs):
-        raise ConfigError(f"model.batchnorm: '{cfg.model.batchnorm}' keeps coordinates per "
+    local = batchnorm_coordinates(model, layout, m.batchnorm)
+    if len(local) and (plan.shards > 1 or plan.adapt is not None):
+        raise ConfigError(f"model.batchnorm: '{m.batchnorm}' keeps coordinates per "
                           f"client, which the sharded server and run.adapt_epochs do not carry yet")
+    groups = group_setup(fed, torch.device("cpu"))
     return Parts(fed, model, layout, layout.flatten_module(model).detach().clone(), loss, traits,
-                 local)
+                 local, groups[1] if groups else 0)
 
 
-def _check_task(cfg: Config, fed, loss: Loss) -> None:
+def _check_task(plan: Plan, fed, loss: Loss) -> None:
     """The loss fits the data (labels or targets) and the rule (some need class labels)."""
     integer = fed.y.dtype.kind in "iu"
     if loss.classification != integer:
         want = "integer class labels" if loss.classification else "float targets"
         raise ConfigError(f"model.loss: '{loss.name}' needs {want}; data set "
-                          f"'{cfg.data.dataset}' has {fed.y.dtype} y")
+                          f"'{plan.data.dataset}' has {fed.y.dtype} y")
     if loss.outputs == 1 and fed.num_classes != 2:
         raise ConfigError(f"model.loss: '{loss.name}' is a two-class loss; data set "
-                          f"'{cfg.data.dataset}' has {fed.num_classes} classes")
-    rule = aggregators.rule(cfg.server.algorithm)
-    needs_labels = (rule.needs.num_groups
-                    or rule.client_options(cfg.rule_params()).get("report_accuracy"))
+                          f"'{plan.data.dataset}' has {fed.num_classes} classes")
+    needs_labels = plan.needs.num_groups or plan.trainer.options.get("report_accuracy")
     if needs_labels and not loss.classification:
-        raise ConfigError(f"server.algorithm: '{cfg.server.algorithm}' needs class labels "
+        raise ConfigError(f"server.algorithm: '{plan.rule}' needs class labels "
                           f"(accuracies or groups); model.loss '{loss.name}' is a regression loss")
 
 
-def trainer_path(cfg: Config, parts: Parts, device: torch.device) -> tuple[str, str]:
+def trainer_path(plan: Plan, parts: Parts, device: torch.device) -> tuple[str, str]:
     """``client.trainer`` resolved for this model and device: ``("vmap" | "loop", why)``."""
-    rule = aggregators.rule(cfg.server.algorithm)
-    return select_trainer(cfg.client.trainer, parts.traits, rule.needs.trainer, device.type,
-                          cfg.server.algorithm)
+    return select_trainer(plan.trainer.requested, parts.traits, plan.needs.trainer, device.type,
+                          plan.rule)
 
 
-def _trainer_options(cfg: Config, parts: Parts) -> tuple[type, dict]:
-    """The trainer class of the selected rule and its keyword options: the client section,
-    overridden by the rule's own (e.g. FedFa's client momentum gamma_c), and
-    ``pretrain_losses=False`` for rules that read no pre-training losses (``needs.losses``)."""
-    c = cfg.client
-    rule = aggregators.rule(cfg.server.algorithm)
-    options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
-                   weight_decay=c.weight_decay, seed=cfg.run.seed,
-                   memory_budget_mb=c.memory_budget_mb)
-    options.update(rule.client_options(cfg.rule_params()))
-    if not rule.needs.losses:  # no pre-training forward pass unless a statistic needs it
-        options["pretrain_losses"] = False
-    return TRAINERS[rule.needs.trainer], options
-
-
-def trainer_columns(cfg: Config, parts: Parts):
-    """The :class:`mpifl.clients.Columns` of the run's trainer, without building it (rank 0)."""
-    cls, options = _trainer_options(cfg, parts)
-    if len(parts.local_index):  # only the loop keeps local coordinates (models with BatchNorm)
-        cls, options["local_index"] = LoopTrainer, parts.local_index
-    groups = group_setup(parts.fed, torch.device("cpu"))
-    return cls.columns_for(parts.layout.d, groups[1] if groups else 0, **options)
-
-
-def make_trainer(cfg: Config, parts: Parts, device: torch.device):
-    cls, options = _trainer_options(cfg, parts)
-    if trainer_path(cfg, parts, device)[0] == "loop":
+def _trainer_class(plan: Plan, parts: Parts, loop: bool) -> tuple[type, dict]:
+    """The trainer class and its options: the rule's, or the loop (which alone keeps local
+    coordinates: models with local BatchNorm)."""
+    cls, options = plan.trainer.cls, dict(plan.trainer.options)
+    if loop:
         cls = LoopTrainer
         if len(parts.local_index):
             options["local_index"] = parts.local_index
+    return cls, options
+
+
+def trainer_columns(plan: Plan, parts: Parts):
+    """The :class:`mpifl.clients.Columns` of the run's trainer, without building it (rank 0)."""
+    cls, options = _trainer_class(plan, parts, loop=bool(len(parts.local_index)))
+    return cls.columns_for(parts.layout.d, parts.num_groups, **options)
+
+
+def make_trainer(plan: Plan, parts: Parts, device: torch.device):
+    """The run's trainer on this rank (:mod:`mpifl.clients`), its failures named by the model
+    and loss they come from, with ``faults.nan_clients`` injected."""
+    cls, options = _trainer_class(plan, parts, trainer_path(plan, parts, device)[0] == "loop")
     options["loss"] = parts.loss
     x = torch.from_numpy(parts.fed.x).to(device)
     y = torch.from_numpy(parts.fed.y).to(device)
     if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
         options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
     trainer = Blamed(cls(parts.model, parts.layout, x, y, device=device, **options),
-                     plugin_parts(cfg, parts))
-    return NaNClients(trainer, cfg.faults.nan_clients) if cfg.faults.nan_clients else trainer
+                     plugin_parts(plan, parts))
+    nan = plan.trainer.nan_clients
+    return NaNClients(trainer, list(nan)) if nan else trainer
 
 
-def plugin_parts(cfg: Config, parts: Parts) -> list[tuple[str, str, object]]:
+def plugin_parts(plan: Plan, parts: Parts) -> list[tuple[str, str, object]]:
     """The model and loss of the run, for naming them when they fail (:mod:`mpifl.core.blame`)."""
-    return [("model", cfg.model.name, MODEL_FACTORIES.get(cfg.model.name)),
-            ("loss", cfg.model.loss, parts.loss)]
+    return [("model", plan.model.name, MODEL_FACTORIES.get(plan.model.name)),
+            ("loss", plan.model.loss, parts.loss)]
 
 
-def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
+def make_adapter(plan: Plan, parts: Parts, device: torch.device, trainer=None
                  ) -> VmapTrainer | None:
     """The trainer of evaluation after local adaptation, or None when ``run.adapt_epochs`` is 0.
 
@@ -171,45 +170,94 @@ def make_adapter(cfg: Config, parts: Parts, device: torch.device, trainer=None
     epochs, its minibatch order keyed apart from training's (:data:`ADAPT_TAG`). It shares the
     sample store of ``trainer`` (the run's trainer on this rank) when given.
     """
-    if not cfg.run.adapt_epochs:
+    a = plan.adapt
+    if a is None:
         return None
-    c = cfg.client
     inner = getattr(trainer, "trainer", trainer)  # NaNClients wraps the run's trainer
     x = getattr(inner, "x", None)
     y = getattr(inner, "y", None)
     if x is None or y is None:
         x, y = torch.from_numpy(parts.fed.x).to(device), torch.from_numpy(parts.fed.y).to(device)
-    cls = LoopTrainer if trainer_path(cfg, parts, device)[0] == "loop" else VmapTrainer
-    return Blamed(cls(parts.model, parts.layout, x, y, epochs=cfg.run.adapt_epochs,
-                      batch_size=c.batch_size, momentum=c.momentum,
-                      weight_decay=c.weight_decay, seed=cfg.run.seed,
-                      memory_budget_mb=c.memory_budget_mb, device=device,
+    cls = LoopTrainer if trainer_path(plan, parts, device)[0] == "loop" else VmapTrainer
+    return Blamed(cls(parts.model, parts.layout, x, y, epochs=a.epochs,
+                      batch_size=a.batch_size, momentum=a.momentum,
+                      weight_decay=a.weight_decay, seed=plan.seed,
+                      memory_budget_mb=a.memory_budget_mb, device=device,
                       pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss),
-                  plugin_parts(cfg, parts))
+                  plugin_parts(plan, parts))
 
 
-def make_aggregator(cfg: Config, parts: Parts):
+def make_aggregator(plan: Plan, parts: Parts):
     """The run's rule (:func:`mpifl.aggregators.create`) with the parameters the data decide
     (number of clients, of sensitive groups)."""
-    params = cfg.algorithm_params()
-    rule = aggregators.rule(cfg.server.algorithm)
-    if rule.needs.num_clients:
+    params = dict(plan.rule_params)
+    if plan.needs.num_clients:
         params["num_clients"] = parts.fed.num_clients
-    if rule.needs.num_groups:
-        groups = group_setup(parts.fed, torch.device("cpu"))
-        params["num_groups"] = groups[1] if groups else 0
-    return aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **params)
+    if plan.needs.num_groups:
+        params["num_groups"] = parts.num_groups
+    return aggregators.create(plan.rule, seed=plan.seed, **params)
 
 
-def uses_meta_step(cfg: Config) -> bool:
-    """Whether the server applies FedMeta's meta step after every aggregation: the selected rule
-    asks for it (``needs.meta_step``, e.g. ``fedmeta``) or ``server.meta = true``."""
-    return bool(aggregators.rule(cfg.server.algorithm).needs.meta_step or cfg.server.meta)
-
-
-def meta_step_for(cfg: Config, parts: Parts, device: torch.device | str = "cpu") -> MetaStep:
-    """The meta step of an experiment: ``cfg.fedmeta`` and ``cfg.run.seed`` (rank 0)."""
-    m = cfg.fedmeta
-    return MetaStep(parts.fed, parts.model, parts.layout, seed=cfg.run.seed,
+def meta_step_for(plan: Plan, parts: Parts, device: torch.device | str = "cpu") -> MetaStep | None:
+    """The meta step of the run (rank 0), or None without one."""
+    m = plan.meta
+    if m is None:
+        return None
+    return MetaStep(parts.fed, parts.model, parts.layout, seed=plan.seed,
                     meta_size=m.meta_size, eta_meta=m.eta_meta, meta_sampling=m.meta_sampling,
                     device=device, loss=parts.loss)
+
+
+@dataclass
+class ServerParts:
+    """What rank 0 adds to the parts: the rule, the meta step, the clients' local coordinates,
+    the server optimizer, restored from a checkpoint when resuming; and the trainer path the
+    results record."""
+
+    aggregator: object
+    meta: MetaStep | None
+    local: LocalCoordinates | None
+    optimizer: ServerOptimizer | None
+    trainer_path: tuple[str, str]
+
+
+def server_parts(plan: Plan, parts: Parts, device: torch.device, ckpt=None,
+                 shard=None) -> ServerParts:
+    """Rank 0's :class:`ServerParts`; ``ckpt`` (a :class:`mpifl.store.checkpoint.Checkpoint`)
+    restores their state. On a sharded server the rule is shard 0's, restored already.
+
+    Raises:
+        OutputError: the checkpoint lacks the local BatchNorm rows the model keeps.
+    """
+    aggregator = shard.aggregator if shard is not None else make_aggregator(plan, parts)
+    if ckpt is not None and shard is None:  # a sharded checkpoint's blocks are joined (P = 1)
+        aggregator.load_state_dict(checkpoint.aggregator_state(
+            ckpt, aggregator.needs.sharded_state, parts.layout.d))
+    return ServerParts(aggregator, meta_step_for(plan, parts, device),
+                       _local_coordinates(parts, ckpt), _server_optimizer(plan.optimizer, ckpt),
+                       trainer_path(plan, parts, device))
+
+
+def _local_coordinates(parts: Parts, ckpt) -> LocalCoordinates | None:
+    """The clients' local coordinates (local BatchNorm), restored from the checkpoint."""
+    if not len(parts.local_index):
+        return None
+    local = LocalCoordinates(parts.local_index, parts.w0, parts.fed.num_clients)
+    if ckpt is not None:
+        if "local_rows" not in ckpt.client_state:
+            raise OutputError(f"{ckpt.path}: the checkpoint has no local BatchNorm rows")
+        local.load_state_dict(ckpt.client_state)
+    return local
+
+
+def _server_optimizer(params: ServerOptimizerParams, ckpt) -> ServerOptimizer | None:
+    """``server.optimizer`` (None for plain sgd with lr 1), its moments restored from the
+    checkpoint."""
+    opt = ServerOptimizer(params)
+    if opt.identity:
+        return None
+    if ckpt is not None:
+        opt.load_state_dict({k.split("_", 1)[1]: v for k, v in ckpt.server_state.items()
+                             if k.startswith("optimizer_")})
+    log.info("server optimizer: %s, lr %g", params.name, params.lr)
+    return opt

@@ -1,6 +1,6 @@
 """What a run will need, estimated from its config alone, before anything is built (issue 28).
 
-:func:`check_budget` runs first in :func:`mpifl.experiment.assemble.build_parts`, on every rank:
+:func:`check_budget` runs first in :func:`mpifl.experiment.plan.make_plan`, on every rank:
 no data is loaded or drawn and no model is allocated (the built-in models are built on torch's
 ``meta`` device, which holds shapes only), so an impossible size fails in a second, with one
 line naming the config key, its value and the memory it would take, instead of running for

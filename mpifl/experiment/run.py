@@ -12,7 +12,6 @@ every rank too (:func:`_end_all_ranks`).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import socket
@@ -28,12 +27,10 @@ from mpifl.aggregators.shards import ShardGroup, shard_bounds
 from mpifl.core.errors import EXIT_BAD_INPUT, ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
 from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
-                                       make_trainer, meta_step_for, trainer_columns,
-                                       trainer_path, uses_meta_step)
+                                       make_trainer, server_parts, trainer_columns)
 from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
-from mpifl.runtime.backends import LocalClients, RemoteClients, group_setup
-from mpifl.aggregators.server_opt import ServerOptimizer, ServerOptimizerParams
-from mpifl.runtime.client_state import LocalCoordinates
+from mpifl.experiment.plan import Plan, make_plan
+from mpifl.runtime.backends import LocalClients, RemoteClients
 from mpifl.runtime.agreement import Outcome, SetUp, one_line
 from mpifl.runtime.comm import MPITransport, launched_size, wait_idle, world
 from mpifl.runtime.loggers import LoggerSet
@@ -230,47 +227,61 @@ def run_experiment(load: Callable[[], tuple[Config | None, Path]], *, mode: str 
 
 
 def _run(setup: SetUp, lock, cfg, out, mode, rounds, progress, stop) -> int:
-    comm, size, rank = setup.comm, setup.size, setup.rank
-    start = setup.step("start plan", lambda: _plan_locked(lock, cfg, out, mode, rounds, size)
-                       if rank == 0 else None)
+    """The config agreed on and planned (:func:`mpifl.experiment.plan.make_plan`); from here
+    on every rank works from the plan."""
+    rank, size = setup.rank, setup.size
+    with setup.stage("start plan"):
+        start = _plan_locked(lock, cfg, out, mode, rounds, size) if rank == 0 else None
     text = setup.share("config", start.cfg.to_json() if rank == 0 else None)
-    cfg = setup.step("config", lambda: start.cfg if rank == 0 else config_from_json(text))
-    setup.timeout_s = cfg.run.setup_timeout_s  # `mpifl resume`: the stored config's bound
-    if rank == 0 and start.done:
-        log.info("%s is already complete (%d rounds)", out, cfg.run.rounds)
+    with setup.stage("config"):
+        plan = make_plan(start.cfg if rank == 0 else config_from_json(text))
+    setup.timeout_s = plan.setup_timeout_s  # `mpifl resume`: the stored config's bound
     if setup.share("complete", start.done if rank == 0 else None):
+        if rank == 0:
+            log.info("%s is already complete (%d rounds)", out, plan.rounds.rounds)
         return 0
-    device = setup.step("device", lambda: device_for(cfg, rank))
-    parts = setup.step("data and model", lambda: build_parts(cfg))
-    trainer = setup.step("trainer", lambda: make_trainer(cfg, parts, device)
-                         if rank > 0 or size == 1 else None)
-    adapter = setup.step("adapter", lambda: make_adapter(cfg, parts, device, trainer)
-                         if rank > 0 or size == 1 else None)
+    return _build_and_run(setup, plan, start, out, progress, stop)
+
+
+def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, progress: bool,
+                   stop: StopRequest) -> int:
+    """Every rank builds its parts from the plan (one agreed step each), then rank 0 serves
+    the rounds and the others train (:func:`mpifl.runtime.worker.serve`)."""
+    rank, size = setup.rank, setup.size
+    trains = rank > 0 or size == 1
+    with setup.stage("device"):
+        device = device_for(plan, rank)
+    with setup.stage("data and model"):
+        parts = build_parts(plan)
+    with setup.stage("trainer"):
+        trainer = make_trainer(plan, parts, device) if trains else None
+    with setup.stage("adapter"):
+        adapter = make_adapter(plan, parts, device, trainer) if trains else None
     hosts = setup.gather("hosts", socket.gethostname())
     if rank == 0:
-        log.info("%s: %s, %d clients (%d per round), d=%d, %s, %d rank(s)%s", cfg.run.name,
-                 cfg.data.dataset, parts.fed.num_clients, cfg.server.clients_per_round,
-                 parts.layout.d, cfg.server.algorithm, size,
+        log.info("%s: %s, %d clients (%d per round), d=%d, %s, %d rank(s)%s", plan.rounds.name,
+                 plan.data.dataset, parts.fed.num_clients, plan.rounds.clients_per_round,
+                 parts.layout.d, plan.rule, size,
                  f", resuming after round {start.ckpt.round}" if start.ckpt else "")
         log.info("ranks on hosts: %s", ", ".join(f"{r}:{h}" for r, h in enumerate(hosts)))
     if size == 1:
         clients = LocalClients(trainer, parts.fed, device, adapter)
         try:
-            return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress)
+            return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress)
         except MpiflError:
             raise
         except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
             log.debug("run failed", exc_info=True)
             raise MpiflError(one_line(exc)) from None
-    shard = _shard_setup(setup, cfg, parts, start)
-    transport = MPITransport(comm, parts.layout.d, trainer_columns(cfg, parts),
-                             peer_timeout=cfg.run.peer_timeout_s,
-                             shard_bounds=(shard_bounds(parts.layout.d, cfg.server.shards)
-                                           if cfg.server.shards > 1 else None))
+    shard = _shard_setup(setup, plan, parts, start)
+    transport = MPITransport(setup.comm, parts.layout.d, trainer_columns(plan, parts),
+                             peer_timeout=plan.peer_timeout_s,
+                             shard_bounds=(shard_bounds(parts.layout.d, plan.shards)
+                                           if plan.shards > 1 else None))
     try:
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)
-            return _serve_rounds(cfg, parts, clients, out, start, size, device, stop, progress,
+            return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress,
                                  shard)
         if shard is not None:
             log.info("rank %d: shard %d of %d, parameters [%d, %d)", rank, shard.group.index,
@@ -282,7 +293,7 @@ def _run(setup: SetUp, lock, cfg, out, mode, rounds, progress, stop) -> int:
         raise
 
 
-def _shard_setup(setup: SetUp, cfg: Config, parts, start: Start):
+def _shard_setup(setup: SetUp, plan: Plan, parts, start: Start | None):
     """A sharded server (``server.shards = P > 1``): ranks 0 .. P-1 build the shard
     communicator, their copy of the rule and their :class:`ShardServer`, restoring their block
     of the rule's state when resuming (from a checkpoint of any P). None elsewhere, and on
@@ -292,7 +303,7 @@ def _shard_setup(setup: SetUp, cfg: Config, parts, start: Start):
         MpiflError: a missing or damaged shard file (every rank; fewer ranks than shards is
             refused earlier, by :func:`_plan_locked`).
     """
-    P = cfg.server.shards
+    P = plan.shards
     if P == 1:
         return None
     rank = setup.rank
@@ -300,23 +311,21 @@ def _shard_setup(setup: SetUp, cfg: Config, parts, start: Start):
                        else "")
     sub = setup.split("shard group", rank < P)
 
-    def build():
+    with setup.stage("shards"):
         if rank >= P:
             return None
-        timeout = cfg.run.peer_timeout_s
+        timeout = plan.peer_timeout_s
         wait = None if not timeout else (lambda req: wait_idle(
             req, max_sleep=0.0, timeout=timeout, waiting_for="another shard rank"))
         group = ShardGroup(MPIShardCollectives(sub, wait) if sub is not None else None,
                            parts.layout.d)
-        shard = ShardServer(group, make_aggregator(cfg, parts),
+        shard = ShardServer(group, make_aggregator(plan, parts),
                             [layer.slice for layer in parts.layout.layers], parts.fed.num_train,
-                            cfg.server.max_update_norm, trainer_columns(cfg, parts))
+                            plan.rounds.max_update_norm, trainer_columns(plan, parts))
         if path:  # rank 0 has read the checkpoint already; the others read its small main file
             shard.load(start.ckpt if rank == 0 else checkpoint.read(Path(path),
                                                                       verify_shards=False))
-        return shard
-
-    return setup.step("shards", build)
+    return shard
 
 
 def _check_shards(shards: int, size: int) -> None:
@@ -354,62 +363,34 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
     transport.abort(code)
 
 
-def _local_coordinates(parts, ckpt) -> LocalCoordinates | None:
-    """The clients' local coordinates (local BatchNorm), restored from the checkpoint."""
-    if not len(parts.local_index):
-        return None
-    local = LocalCoordinates(parts.local_index, parts.w0, parts.fed.num_clients)
-    if ckpt is not None:
-        if "local_rows" not in ckpt.client_state:
-            raise OutputError(f"{ckpt.path}: the checkpoint has no local BatchNorm rows")
-        local.load_state_dict(ckpt.client_state)
-    return local
-
-
-def _server_optimizer(cfg, ckpt) -> ServerOptimizer | None:
-    """``server.optimizer`` (None for plain sgd with lr 1), its moments restored from the
-    checkpoint."""
-    s = cfg.server
-    opt = ServerOptimizer(ServerOptimizerParams(s.optimizer, s.lr, s.momentum, *s.betas, s.tau))
-    if opt.identity:
-        return None
-    if ckpt is not None:
-        opt.load_state_dict({k.split("_", 1)[1]: v for k, v in ckpt.server_state.items()
-                             if k.startswith("optimizer_")})
-    log.info("server optimizer: %s, lr %g", s.optimizer, s.lr)
-    return opt
-
-
-def _serve_rounds(cfg, parts, clients, out, start: Start, size, device, stop, progress,
+def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, stop, progress,
                   shard=None) -> int:
-    aggregator = make_aggregator(cfg, parts) if shard is None else shard.aggregator
+    """Rank 0: the server's parts, restored from the checkpoint when resuming, then the rounds;
+    the results file is finished only when every round ran."""
+    own = server_parts(plan, parts, device, start.ckpt, shard)
     w, first = parts.w0, 0
     if start.ckpt is not None:
-        if shard is None:  # a sharded checkpoint's blocks are joined (resuming with P = 1)
-            aggregator.load_state_dict(checkpoint.aggregator_state(
-                start.ckpt, aggregator.needs.sharded_state, parts.layout.d))
         w, first = torch.from_numpy(start.ckpt.w), start.ckpt.round
-    writer = ResultsWriter(out, cfg.to_json(), world_size=size, num_clients=parts.fed.num_clients,
-                           num_layers=len(parts.layout.layers), algorithm=cfg.server.algorithm,
-                           group_metrics=group_setup(parts.fed, device) is not None,
-                           personal_metrics=isinstance(aggregator, PersonalModels),
-                           adapted_metrics=cfg.run.adapt_epochs > 0,
+    writer = ResultsWriter(out, plan.rounds.config_json, world_size=size,
+                           num_clients=parts.fed.num_clients,
+                           num_layers=len(parts.layout.layers), algorithm=plan.rule,
+                           group_metrics=parts.num_groups > 0,
+                           personal_metrics=isinstance(own.aggregator, PersonalModels),
+                           adapted_metrics=plan.adapt is not None,
                            loss_metrics=not parts.loss.classification,
                            history=start.ckpt.history if start.ckpt else None,
                            clients={"num_train": parts.fed.num_train,
                                     "num_test": parts.fed.num_test,
                                     "label_counts": parts.fed.label_counts()})
-    path, why = trainer_path(cfg, parts, device)
+    path, why = own.trainer_path
     writer.attrs["trainer"] = path  # what client.trainer = "auto" chose, for the record
     log.info("local training: %s trainer (%s), loss %s", path, why, parts.loss.name)
-    loggers = LoggerSet(cfg.run.loggers, out, json.loads(cfg.to_json()), first)
+    loggers = LoggerSet(list(plan.loggers), out, plan.config, first)
     try:
-        meta = meta_step_for(cfg, parts, device) if uses_meta_step(cfg) else None
-        server = Server(cfg, parts.fed, parts.layout, clients, aggregator, writer, device,
-                        checkpoints=checkpoint.folder_for(out), stop=stop, world_size=size,
-                        meta=meta, loggers=loggers, shard=shard,
-                        local=_local_coordinates(parts, start.ckpt),
-                        optimizer=_server_optimizer(cfg, start.ckpt))
+        server = Server(plan.rounds, parts.fed, parts.layout, clients, own.aggregator, writer,
+                        device, checkpoints=checkpoint.folder_for(out), stop=stop,
+                        world_size=size, meta=own.meta, loggers=loggers, shard=shard,
+                        local=own.local, optimizer=own.optimizer)
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]

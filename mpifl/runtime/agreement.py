@@ -25,7 +25,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Callable, TypeVar
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
 
 import numpy as np
 
@@ -72,9 +73,14 @@ class Outcome:
         self.value, self.error, self.status = None, None, EXIT_BAD_INPUT
         try:
             self.value = fn()
-        except MpiflError as exc:
-            self.error, self.status = str(exc), exc.exit_status
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it
+            self.fail(exc)
+
+    def fail(self, exc: Exception) -> None:
+        """Record ``exc`` as this rank's failure: mpifl's own line and status, or one line."""
+        if isinstance(exc, MpiflError):
+            self.error, self.status = str(exc), exc.exit_status
+        else:
             self.error = one_line(exc)
             log.debug("set-up failed", exc_info=True)
 
@@ -109,6 +115,22 @@ class SetUp:
             SetupStopped: a rank received SIGINT, SIGTERM or SIGUSR1.
         """
         return self.settle(name, Outcome(fn))
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """``with setup.stage(name): ...``: the block is one step, as :meth:`step`: an exception
+        in it is agreed on by every rank, and the code after the block runs only when every
+        rank finished it.
+
+        Raises:
+            MpiflError, SetupStopped: as :meth:`step`.
+        """
+        outcome = Outcome(lambda: None)
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 -- every rank must hear of it
+            outcome.fail(exc)
+        self.settle(name, outcome)
 
     def settle(self, name: str, outcome: Outcome) -> T:
         """Agree on an outcome computed already (the config, loaded before MPI_Init)."""

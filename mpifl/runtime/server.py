@@ -24,6 +24,7 @@ from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
                                    loss_summary)
+from mpifl.runtime.plan import RoundPlan
 from mpifl.runtime.progress import ProgressLog
 from mpifl.store.checkpoint import Checkpoint, save
 
@@ -61,7 +62,7 @@ class Server:
     """The round loop of rank 0.
 
     Args:
-        cfg: the validated :class:`mpifl.experiment.config.Config`.
+        plan: the round loop's schedule, a :class:`mpifl.runtime.plan.RoundPlan`.
         fed: federated data (sample counts per client).
         layout: the model's :class:`mpifl.models.ParamLayout`.
         clients: a :mod:`mpifl.runtime.backends` backend (in-process or MPI).
@@ -82,10 +83,11 @@ class Server:
             shards, and checkpoints ask every shard for its file first.
     """
 
-    def __init__(self, cfg, fed, layout, clients, aggregator, writer, device: torch.device,
-                 checkpoints: Path | None = None, stop=None, world_size: int = 1, meta=None,
-                 loggers=None, shard=None, local=None, optimizer=None):
-        self.cfg, self.fed, self.layout = cfg, fed, layout
+    def __init__(self, plan: RoundPlan, fed, layout, clients, aggregator, writer,
+                 device: torch.device, checkpoints: Path | None = None, stop=None,
+                 world_size: int = 1, meta=None, loggers=None, shard=None, local=None,
+                 optimizer=None):
+        self.plan, self.fed, self.layout = plan, fed, layout
         self.clients, self.aggregator, self.writer = clients, aggregator, writer
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
@@ -95,19 +97,19 @@ class Server:
         self.regression = getattr(writer.history, "loss_metrics", False)
 
     def run(self, w: torch.Tensor, start: int = 0, progress: bool = True) -> tuple[torch.Tensor, bool]:
-        """Run rounds ``start .. run.rounds-1``.
+        """Run rounds ``start .. plan.rounds-1``.
 
         Returns:
             The global parameters (d,) float32 after the last round run, and whether every
             round was run (False when a stop request ended the loop early, after a checkpoint).
         """
-        run = self.cfg.run
-        rounds, every = run.rounds, run.checkpoint_every
+        plan = self.plan
+        rounds, every = plan.rounds, plan.checkpoint_every
         periodic = every != 0  # 0: only at the end and on a stop request
-        minutes = run.checkpoint_minutes if periodic else 0.0
-        bar = tqdm(range(start, rounds), desc=run.name, unit="round", initial=start,
+        minutes = plan.checkpoint_minutes if periodic else 0.0
+        bar = tqdm(range(start, rounds), desc=plan.name, unit="round", initial=start,
                    total=rounds, disable=None if progress else True, dynamic_ncols=True)
-        lines = ProgressLog(rounds, start, run.progress_every_s)
+        lines = ProgressLog(rounds, start, plan.progress_every_s)
         w = w.to(self.device)
         if start == 0 and periodic:
             self.checkpoint(0, w)  # from now on `mpifl resume` always has a config to go on
@@ -117,7 +119,7 @@ class Server:
             if isinstance(self.aggregator, ObservesParams):
                 self.aggregator.observe_params(w)
             summary = None
-            if eval_due(rnd, rounds, self.cfg.run.eval_every):
+            if eval_due(rnd, rounds, plan.eval_every):
                 row["time_eval"], summary = self._evaluate(rnd, w, row)
                 key = "loss/" if self.regression else ""
                 bar.set_postfix({"loss" if key else "acc": f"{summary[key + 'mean']:.4g}",
@@ -161,7 +163,7 @@ class Server:
                      if k not in self.aggregator.needs.sharded_state}
             bounds = self.shard.group.bounds
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
-                          self.cfg.to_json(), self.world_size, self.checkpoints, bounds,
+                          self.plan.config_json, self.world_size, self.checkpoints, bounds,
                           client_state=self.local.state_dict() if self.local else {},
                           server_state=({f"optimizer_{k}": v for k, v in
                                          self.optimizer.state_dict().items()}
@@ -170,11 +172,11 @@ class Server:
         return True
 
     def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        cfg = self.cfg
-        lr = cfg.client.lr * cfg.client.lr_decay ** rnd
-        selected = select_clients(cfg.run.seed, rnd, self.fed.num_train,
-                                  cfg.server.clients_per_round, cfg.server.sampling)
-        ids = selected[~dropped_out(cfg.run.seed, rnd, selected, cfg.client.dropout)]
+        plan = self.plan
+        lr = plan.lr_at(rnd)
+        selected = select_clients(plan.seed, rnd, self.fed.num_train, plan.clients_per_round,
+                                  plan.sampling)
+        ids = selected[~dropped_out(plan.seed, rnd, selected, plan.dropout)]
         row = {"round": rnd, "lr": lr, "dropped": len(selected) - len(ids), "rejected": 0,
                "num_clients": 0, "train_loss": float("nan"), "conflicts_model": 0,
                "conflicts_layer": np.zeros(len(self.layers), dtype=np.int64),
@@ -196,7 +198,7 @@ class Server:
         if self.shard is not None:
             return self._aggregate_sharded(rnd, lr, ids, res, w, row)
         t0 = time.perf_counter()
-        keep = accepted(res.updates, cfg.server.max_update_norm)
+        keep = accepted(res.updates, plan.max_update_norm)
         row["rejected"] = int((~keep).sum())
         if not bool(keep.any()):
             log.warning("round %d: every update was rejected; the model does not move", rnd)
@@ -237,7 +239,7 @@ class Server:
     def _aggregate(self, r: RoundUpdates, w: torch.Tensor) -> torch.Tensor:
         """The rule's step, with a plugin rule's failure named and a step of the wrong shape
         refused in one line."""
-        name = self.cfg.server.algorithm
+        name = self.plan.rule
         with blame([("rule", name, type(self.aggregator))], "aggregate"):
             step = self.aggregator.aggregate(r)
         if not isinstance(step, torch.Tensor) or tuple(step.shape) != tuple(w.shape):
@@ -267,10 +269,9 @@ class Server:
         """``(round, lr)`` of the evaluation after round ``rnd`` with local adaptation
         (``run.adapt_epochs`` > 0), else None: round = rounds completed (keys the minibatch
         order, with ADAPT_TAG), lr = the learning rate the next round's training would use."""
-        if not self.cfg.run.adapt_epochs:
+        if not self.plan.adapt:
             return None
-        c = self.cfg.client
-        return rnd + 1, c.lr * c.lr_decay ** (rnd + 1)
+        return rnd + 1, self.plan.lr_at(rnd + 1)
 
     def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None) -> tuple[float, dict]:
         """Evaluate every client; the round's ``row`` gets the peak memory after it."""
@@ -306,13 +307,13 @@ class Server:
         self.writer.append_eval(rnd + 1, acc, loss, summary, personal, adapted)
         if self.regression:
             log.info("round %d/%d: mean loss %.5g, std %.3g, worst5 %.5g, best5 %.5g",
-                     rnd + 1, self.cfg.run.rounds, summary["loss/mean"], summary["loss/std"],
+                     rnd + 1, self.plan.rounds, summary["loss/mean"], summary["loss/std"],
                      summary["loss/worst5"], summary["loss/best5"])
             if not math.isfinite(summary["loss/mean"]):
                 log.warning("round %d: non-finite loss", rnd + 1)
             return time.perf_counter() - t0, summary
         log.info("round %d/%d: mean acc %.4f, std %.2f pp, worst5 %.4f, best5 %.4f",
-                 rnd + 1, self.cfg.run.rounds, summary["mean"], 100 * summary["std"],
+                 rnd + 1, self.plan.rounds, summary["mean"], 100 * summary["std"],
                  summary["worst5"], summary["best5"])
         if not math.isfinite(summary["mean"]):
             log.warning("round %d: non-finite accuracy", rnd + 1)

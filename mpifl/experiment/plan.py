@@ -1,0 +1,148 @@
+"""A run planned once: the config and the rule's needs turned into one frozen :class:`Plan`.
+
+Everything a run decides from its config is decided here, the same on every rank: the round
+loop's schedule, the rule and its parameters, the trainer class and its options, the meta step,
+the server optimizer, the shards and the loggers. :mod:`mpifl.experiment.assemble` builds the
+parts from the plan and the runtime receives the plan's records (:class:`mpifl.runtime.plan.
+RoundPlan` and the like), never the config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from mpifl import aggregators
+from mpifl.aggregators.needs import Needs
+from mpifl.aggregators.server_opt import ServerOptimizerParams
+from mpifl.clients import TRAINERS
+from mpifl.experiment.budget import check_budget
+from mpifl.experiment.config import Config, DataConfig, ModelConfig
+from mpifl.runtime.plan import RoundPlan
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """Local training: the rule's trainer class and its keyword options.
+
+    Attributes:
+        cls: the trainer class of the rule (``TRAINERS[needs.trainer]``).
+        options: its keyword options: the client section (epochs, batch size, momentum, weight
+            decay, seed, memory budget), overridden by the rule's own (e.g. FedFa's gamma_c),
+            and ``pretrain_losses=False`` for a rule that reads no pre-training losses.
+        requested: ``client.trainer`` (``auto``, ``vmap`` or ``loop``).
+        nan_clients: clients whose updates are replaced by NaN (``faults.nan_clients``).
+    """
+
+    cls: type
+    options: dict[str, Any]
+    requested: str
+    nan_clients: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AdaptPlan:
+    """Evaluation after local adaptation (``run.adapt_epochs > 0``): the client section's plain
+    local SGD for ``epochs`` epochs (none of a rule's own objective or options)."""
+
+    epochs: int
+    batch_size: int
+    momentum: float
+    weight_decay: float
+    memory_budget_mb: float
+
+
+@dataclass(frozen=True)
+class MetaPlan:
+    """FedMeta's meta step after every aggregation (``[fedmeta]``; Yao et al. 2019)."""
+
+    meta_size: int
+    eta_meta: float
+    meta_sampling: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One run, decided once.
+
+    Attributes:
+        rounds: the round loop's schedule (:class:`mpifl.runtime.plan.RoundPlan`).
+        rule: ``server.algorithm``; rule_params: its validated table as a dict; needs: its
+            :class:`mpifl.aggregators.needs.Needs`; personal: it keeps a model per client
+            (:class:`mpifl.aggregators.PersonalModels`, Ditto).
+        seed: ``run.seed`` (data, model, trainer, rule).
+        data, model: the data and model sections (what :func:`mpifl.experiment.assemble.
+            build_parts` builds).
+        trainer: local training; adapt: adapted evaluation (None: off); meta: the meta step
+            (None: off); optimizer: the server optimizer.
+        device: ``server.device`` (``auto``, ``cpu`` or ``cuda``).
+        shards: P, ranks 0 .. P-1 aggregate one block of the parameters each (1: rank 0 alone).
+        peer_timeout_s, setup_timeout_s: the bounds of ``[run]`` (0: none).
+        loggers: ``run.loggers``; config: the config as a plain dict, for them.
+    """
+
+    rounds: RoundPlan
+    rule: str
+    rule_params: dict[str, Any]
+    needs: Needs
+    personal: bool
+    seed: int
+    data: DataConfig
+    model: ModelConfig
+    trainer: TrainerPlan
+    optimizer: ServerOptimizerParams
+    device: str = "auto"
+    shards: int = 1
+    peer_timeout_s: float = 0.0
+    setup_timeout_s: float = 0.0
+    adapt: AdaptPlan | None = None
+    meta: MetaPlan | None = None
+    loggers: tuple[str, ...] = ()
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def make_plan(cfg: Config) -> Plan:
+    """The plan of a validated config.
+
+    Raises:
+        ConfigError: the run would not fit in this node's memory
+            (:func:`mpifl.experiment.budget.check_budget`), before any data or model is built.
+    """
+    check_budget(cfg)
+    run, client, server = cfg.run, cfg.client, cfg.server
+    rule = aggregators.rule(server.algorithm)
+    text = cfg.to_json()
+    return Plan(
+        rounds=RoundPlan(run.name, run.seed, run.rounds, server.clients_per_round,
+                         server.sampling, client.lr, client.lr_decay, client.dropout,
+                         server.max_update_norm, run.eval_every, run.checkpoint_every,
+                         run.checkpoint_minutes, run.progress_every_s, run.adapt_epochs > 0,
+                         server.algorithm, text),
+        rule=server.algorithm, rule_params=cfg.algorithm_params(), needs=rule.needs,
+        personal=isinstance(rule, aggregators.PersonalModels), seed=run.seed, data=cfg.data, model=cfg.model,
+        trainer=_trainer_plan(cfg, rule),
+        optimizer=ServerOptimizerParams(server.optimizer, server.lr, server.momentum,
+                                        *server.betas, server.tau),
+        device=server.device, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
+        setup_timeout_s=run.setup_timeout_s,
+        adapt=(AdaptPlan(run.adapt_epochs, client.batch_size, client.momentum,
+                         client.weight_decay, client.memory_budget_mb)
+               if run.adapt_epochs else None),
+        meta=(MetaPlan(cfg.fedmeta.meta_size, cfg.fedmeta.eta_meta, cfg.fedmeta.meta_sampling)
+              if rule.needs.meta_step or server.meta else None),
+        loggers=tuple(run.loggers), config=json.loads(text))
+
+
+def _trainer_plan(cfg: Config, rule) -> TrainerPlan:
+    """The client section, overridden by the rule's own options; no pre-training forward pass
+    unless a statistic needs it (``needs.losses``)."""
+    c = cfg.client
+    options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
+                   weight_decay=c.weight_decay, seed=cfg.run.seed,
+                   memory_budget_mb=c.memory_budget_mb)
+    options.update(rule.client_options(cfg.rule_params()))
+    if not rule.needs.losses:
+        options["pretrain_losses"] = False
+    return TrainerPlan(TRAINERS[rule.needs.trainer], options, c.trainer,
+                       tuple(cfg.faults.nan_clients))

@@ -1,0 +1,52 @@
+"""What the runtime is told about a run: frozen records that :mod:`mpifl.experiment.plan` fills
+in once from the config and the rule's needs. The runtime reads these, never the config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """Rank 0's round loop (:class:`mpifl.runtime.server.Server`): who trains when, and when the
+    run evaluates, checkpoints and reports.
+
+    Attributes:
+        name: the run's name (progress bar, log lines).
+        seed: keys client selection and dropout (with the round; no RNG state is saved).
+        rounds: R, rounds in all (a resumed run continues to R).
+        clients_per_round: m (ignored by ``sampling = "all"``).
+        sampling: ``uniform``, ``weighted`` or ``all``.
+        lr, lr_decay: client learning rate of round r is ``lr * lr_decay ** r``.
+        dropout: probability that a selected client drops out of a round.
+        max_update_norm: updates with a larger or non-finite L2 norm are rejected (None: only
+            non-finite ones).
+        eval_every: evaluate after every ``eval_every`` rounds and after the last.
+        checkpoint_every: rounds between checkpoints (0: only at the end and on a stop request).
+        checkpoint_minutes: wall-clock minutes between checkpoints (0: by rounds only).
+        progress_every_s: seconds between progress lines in the log (0: none).
+        adapt: evaluation after local adaptation (``run.adapt_epochs > 0``).
+        rule: the rule's name, for naming it when it fails.
+        config_json: the run's config as canonical JSON, stored in every checkpoint.
+    """
+
+    name: str
+    seed: int
+    rounds: int
+    clients_per_round: int
+    sampling: str
+    lr: float
+    lr_decay: float
+    dropout: float
+    max_update_norm: float | None
+    eval_every: int
+    checkpoint_every: int
+    checkpoint_minutes: float
+    progress_every_s: float
+    adapt: bool
+    rule: str
+    config_json: str
+
+    def lr_at(self, rnd: int) -> float:
+        """The client learning rate of round ``rnd`` (0-based)."""
+        return self.lr * self.lr_decay ** rnd
