@@ -12,15 +12,17 @@ from mpifl import aggregators
 from mpifl.aggregators.base import RoundUpdates
 from mpifl.experiment.config import load_config
 from mpifl.experiment.assemble import build_parts, make_trainer
+from mpifl.experiment.plan import make_plan
 from mpifl.metrics import fairness
 from torch.func import functional_call
 
 job, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
 cfg = load_config(job, overrides)
-parts = build_parts(cfg)
+plan = make_plan(cfg)
+parts = build_parts(plan)
 fed = parts.fed
 dev = torch.device("cpu")
-trainer = make_trainer(cfg, parts, dev)
+trainer = make_trainer(plan, parts, dev)
 import os
 TEMP = float(os.environ.get("MF_TEMP", "1"))
 if TEMP != 1.0:  # sharper DP surrogate: sigmoid((z1 - z0) / T) instead of softmax[:, 1]

@@ -154,10 +154,12 @@ class Workload:
     def __init__(self, model: str, trainer: str, rounds: int):
         from mpifl.experiment.assemble import build_parts
         from mpifl.experiment.config import load_config
+        from mpifl.experiment.plan import make_plan
         from mpifl.runtime.server import select_clients
 
         cfg = load_config(CONFIG, overrides(model, trainer, rounds))
-        self.name, self.cfg, self.parts = WORKLOADS[model], cfg, build_parts(cfg)
+        self.plan = make_plan(cfg)
+        self.name, self.cfg, self.parts = WORKLOADS[model], cfg, build_parts(self.plan)
         self.select = lambda t: select_clients(cfg.run.seed, t, self.parts.fed.num_train,
                                                cfg.server.clients_per_round, cfg.server.sampling)
 
@@ -184,15 +186,15 @@ class MpiflRounds:
         cfg, parts = wl.cfg, wl.parts
         self.cfg, self.parts, self.select = cfg, parts, wl.select
         dev = torch.device("cpu")
-        self.path, self.why = trainer_path(cfg, parts, dev)
-        self.trainer = make_trainer(cfg, parts, dev)
+        self.path, self.why = trainer_path(wl.plan, parts, dev)
+        self.trainer = make_trainer(wl.plan, parts, dev)
         clients = LocalClients(self.trainer, parts.fed, dev)
         agg = aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **cfg.algorithm_params())
         writer = ResultsWriter(out, cfg.to_json(), world_size=1,
                                num_clients=parts.fed.num_clients,
                                num_layers=len(parts.layout.layers),
                                algorithm=cfg.server.algorithm)
-        self.server = Server(cfg, parts.fed, parts.layout, clients, agg, writer, dev)
+        self.server = Server(wl.plan.rounds, parts.fed, parts.layout, clients, agg, writer, dev)
         self.w = parts.w0.clone()
         self.rnd = 0
 

@@ -2,7 +2,7 @@
 any rank failed, was stopped by a signal or never arrived.
 
 A run's set-up (plugins and config, the start plan, data, model, trainer, shards) is a sequence
-of :meth:`SetUp.step` calls, the same on every rank. After each step the ranks exchange one small
+of steps (``with setup.stage(name): ...`` or :meth:`SetUp.step`), the same on every rank. After each step the ranks exchange one small
 record: the step's error, if any (one line and its exit status), and the signal that asked this
 rank to stop, if any. So
 
