@@ -65,13 +65,14 @@ def test_phase_columns_are_recorded(runs):
 IDLE = """
 import resource, sys, time
 import numpy as np
-from mpifl.runtime.comm import MPITransport, world
+from mpifl.runtime.comm import world
+from mpifl.runtime.protocol import MPITransport
 
 comm = world()
 t = MPITransport(comm, d=4)
 if comm.Get_rank() == 0:
     time.sleep(1.5)                      # a long phase on rank 0 (an aggregation, say)
-    t.stop(0)
+    t.stop.request(0)
 else:
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
@@ -105,7 +106,8 @@ HANG = """
 import os, signal, sys
 import numpy as np
 from mpifl.core.errors import PeerLost
-from mpifl.runtime.comm import MPITransport, world
+from mpifl.runtime.comm import world
+from mpifl.runtime.protocol import MPITransport
 
 comm = world()
 rank, d = comm.Get_rank(), 100_000
@@ -114,25 +116,25 @@ t = MPITransport(comm, d=d, peer_timeout=2.0)
 
 def hang_before(method):
     # this rank stops (SIGSTOP: alive, silent) just before the collective ``method``
-    real = getattr(t, method)
+    real = getattr(t.wire, method)
 
     def stopped(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGSTOP)
         return real(*args, **kwargs)
 
-    setattr(t, method, stopped)
+    setattr(t.wire, method, stopped)
 
 
 if sys.argv[1] == "rank 0" and rank == 0:
-    hang_before("_bcast_ids_w")          # the workers are then inside the model's broadcast
+    hang_before("bcast_ids_w")          # the workers are then inside the model's broadcast
 elif sys.argv[1] == "worker" and rank == 2:
-    hang_before("_gatherv")              # rank 0 and rank 1 are then inside the gather
+    hang_before("gatherv")              # rank 0 and rank 1 are then inside the gather
 try:
     if rank == 0:
-        t.request_losses(np.arange(4), np.zeros(d, np.float32), np.array([0, 2, 4]))
+        t.losses.request(np.arange(4), np.zeros(d, np.float32), np.array([0, 2, 4]))
     else:
         t.receive()
-        t.send_losses(np.zeros(2, np.float32))
+        t.losses.reply(np.zeros(2, np.float32))
     print(f"rank {rank}: done", flush=True)
 except PeerLost as exc:
     print(f"rank {rank}: {exc}", flush=True)

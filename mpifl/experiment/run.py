@@ -32,7 +32,8 @@ from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_
 from mpifl.experiment.plan import Plan, make_plan
 from mpifl.runtime.backends import LocalClients, RemoteClients
 from mpifl.runtime.agreement import Outcome, SetUp, one_line
-from mpifl.runtime.comm import MPITransport, launched_size, wait_idle, world
+from mpifl.runtime.comm import launched_size, wait_idle, world
+from mpifl.runtime.protocol import MPITransport
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
 from mpifl.runtime.shard_comm import MPIShardCollectives
@@ -354,7 +355,7 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
     in_shards = shard is not None and shard.busy  # the other shards wait in a collective
     code = exc.exit_status if isinstance(exc, MpiflError) else EXIT_FAILED
     if rank == 0 and not transport.busy and not in_shards and isinstance(exc, Exception):
-        transport.stop(code)
+        transport.stop.request(code)
         if not isinstance(exc, MpiflError):
             raise MpiflError(line) from None
         return

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpifl.runtime.comm import (EvalReply, MPITransport, peak_rss_bytes, rank_counts,
-                                split_by_samples)
+from mpifl.runtime.comm import peak_rss_bytes, rank_counts, split_by_samples
+from mpifl.runtime.protocol import EvalReply, MPITransport
 
 
 @dataclass
@@ -169,7 +169,7 @@ class RemoteClients:
               inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
         t0 = time.perf_counter()
-        rep = self.transport.request_train(
+        rep = self.transport.train.request(
             rnd, lr, client_ids, w.detach().cpu().numpy(), bounds, inputs,
             None if state is None else state.detach().cpu().numpy())
         waited = time.perf_counter() - t0 - rep.time_broadcast
@@ -183,12 +183,12 @@ class RemoteClients:
     def checkpoint_shards(self, rounds_done: int, write) -> np.ndarray:
         """Sharded server: every shard rank writes its checkpoint file (``write()`` here on
         rank 0); (world size,) float64 status, 0 = written or nothing to write."""
-        return self.transport.request_checkpoint(rounds_done, write)
+        return self.transport.checkpoint.request(rounds_done, write)
 
     def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(m,) float32 mean training losses of the clients at ``w`` (a LOSSES request)."""
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
-        loss, nbytes = self.transport.request_losses(client_ids, w.detach().cpu().numpy(), bounds)
+        loss, nbytes = self.transport.losses.request(client_ids, w.detach().cpu().numpy(), bounds)
         return torch.from_numpy(loss).to(self.device), nbytes
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
@@ -197,10 +197,10 @@ class RemoteClients:
         """All K clients at ``w`` (with their own ``local`` (K, s) coordinates if given), at
         their own rows of ``personal`` (K, d) if given, and after local adaptation from ``w``
         on the workers if ``adapt = (round, lr)`` is given."""
-        return self.transport.request_eval(
+        return self.transport.eval.request(
             w.detach().cpu().numpy(), self._eval_counts, self._width,
             None if personal is None else personal.detach().cpu().numpy(), adapt,
             None if local is None else local.detach().cpu().numpy())
 
     def stop(self, code: int = 0) -> None:
-        self.transport.stop(code)
+        self.transport.stop.request(code)

@@ -3,7 +3,7 @@
 
 Ranks 0 .. P-1 are the shards (rank 0 is also the coordinator; ranks 1 .. P-1 also train
 clients). After a TRAIN request shard j holds column block j of every selected client's update
-(:meth:`mpifl.runtime.comm.MPITransport.send_updates`); then every shard runs
+(:meth:`mpifl.runtime.protocol.Train.reply`); then every shard runs
 :meth:`ShardServer.aggregate` with the same inputs, in the same order:
 
 1. shard 0 broadcasts the round's losses and statistics rows (per-client scalars it gathered);

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from mpifl.runtime.backends import evaluate, evaluate_adapted, group_setup, stats_rows
-from mpifl.runtime.comm import (CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport,
-                                rank_counts, split_by_samples)
+from mpifl.runtime.comm import rank_counts, split_by_samples
+from mpifl.runtime.protocol import CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport
 
 
 def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=None,
@@ -52,7 +52,7 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
             return req.round
         if req.command == CHECKPOINT:
             ok = 0.0 if shard is None else shard.write_checkpoint(checkpoints, req.round)
-            transport.send_status(ok)
+            transport.checkpoint.reply(ok)
             continue
         w = torch.from_numpy(req.w).to(device)
         if req.command == TRAIN:
@@ -61,7 +61,7 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
             t0 = time.perf_counter()
             state = None if req.state is None else torch.from_numpy(req.state).to(device)
             out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
-            cols = transport.send_updates(*out, time.perf_counter() - t0, rank_counts(bounds))
+            cols = transport.train.reply(*out, time.perf_counter() - t0, rank_counts(bounds))
             if shard is not None:  # this shard's part of the aggregation
                 shard.aggregate(req.round, req.lr, req.client_ids,
                                 torch.from_numpy(cols).to(device))
@@ -69,13 +69,13 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
             ids = mine(req.client_ids)
             loss = (trainer.evaluate(w, [fed.train_indices(k) for k in ids])[1] if len(ids)
                     else np.empty(0))
-            transport.send_losses(loss)
+            transport.losses.reply(loss)
         elif req.command == EVAL:
             out = _evaluate(trainer, w, eval_idx, groups, req.personal, device, req.local)
             adapted = None
             if req.adapt:  # after local adaptation: this rank's share of the clients
                 adapted = evaluate_adapted(adapter, fed, w, (req.round, req.lr), eval_ids)
-            transport.send_eval(*out, adapted)
+            transport.eval.reply(*out, adapted)
 
 
 def _train(trainer, fed, w, rnd, lr, ids, inputs, state):

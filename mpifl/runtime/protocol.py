@@ -1,0 +1,538 @@
+"""The round protocol on flat numpy buffers (no pickle on the hot path): one object per command,
+holding both of its ends.
+
+Every request from rank 0 starts with a ``Bcast`` of a small float64 header
+``[command, round, lr, m, flag]``, then, depending on the command:
+
+* ``TRAIN``: ``Bcast`` of the selected client ids (m,) int64, of the global parameters (d,)
+  float32 and, when the trainer takes them (:class:`mpifl.clients.Columns`), of the round inputs
+  (A,) float64 (mFairFL's multipliers); ``Scatterv`` of per-client state rows (m, s) float32
+  (Ditto's personal models) when the trainer keeps such state. Each worker trains its contiguous
+  block of the ids (:func:`mpifl.runtime.comm.split_by_samples`, computed identically on every rank, so no
+  assignment message is needed); ``Gatherv`` of the updates (m, d) float32, the pre-training
+  losses (m,) float32 and the statistics rows (m, S) float32 into rank 0, already in id order;
+  ``Gather`` of each rank's training seconds and peak resident memory.
+* ``LOSSES``: ``Bcast`` of client ids and of candidate parameters; ``Gatherv`` of those
+  clients' mean training losses (m,) float32 — an evaluation-only request (FedMDFG's line
+  search), same blocks as TRAIN.
+* ``EVAL``: ``Bcast`` of the parameters; each worker evaluates its static share of all K clients;
+  ``Gatherv`` of accuracies and losses (K,) float64 and, on data with a sensitive attribute,
+  of per-client group counts (K, G*2*3) float64. With bit :data:`PERSONAL` of ``flag``,
+  ``Scatterv`` of per-client parameters (K, d) float32 follows and their accuracies and losses
+  (Ditto's personal models) are gathered too. With bit :data:`ADAPTED` (``run.adapt_epochs``),
+  each worker also trains its clients locally from the parameters (minibatch order keyed by
+  the header's round, the header's lr) and the adapted accuracies and losses (K,) float64 are
+  gathered last; round and lr are 0 in an EVAL header without it. With bit :data:`LOCAL`
+  (local BatchNorm), ``Scatterv`` of every client's local coordinates (K, s) float32 (s =
+  the trainer's state width) comes before the evaluation, and each client is evaluated with
+  its own.
+* ``CHECKPOINT`` (sharded server only): the shard ranks write their blocks of the rule's state
+  into the checkpoint of the round carried in the header (:mod:`mpifl.runtime.sharding`);
+  ``Gather`` of every rank's status (0 = written).
+* ``STOP``: workers leave their loop and exit with the status carried in the header.
+
+**Sharded server** (``server.shards = P > 1``, ranks 0 .. P-1 are the shards): a TRAIN's
+updates travel as P ``Gatherv`` calls, the j-th to shard rank j with every worker's column block j
+(``(m_r, hi_j - lo_j)``, packed contiguous), so no rank receives the whole (m, d) matrix;
+losses, statistics rows and rank statistics still reach rank 0 as above. The shards then run
+the aggregation among themselves (:class:`mpifl.runtime.sharding.ShardServer`).
+
+A rank that waits for another's long phase (workers while rank 0 aggregates, rank 0 while the
+workers train or evaluate) does not busy-poll: the header travels by ``Ibcast`` and results are
+announced by an ``Ibarrier``, both completed by :func:`mpifl.runtime.comm.wait_idle`, which sleeps between tests.
+MPICH's blocking calls spin, and when ranks share cores (3 ranks on a 2-core machine) the
+spinning ranks take CPU time from the one doing the work.
+
+Each command is a class below (:class:`Train`, :class:`Losses`, :class:`Eval`,
+:class:`Checkpoint`, :class:`Stop`) with rank 0's end (``request``) beside the workers' ends
+(``receive``, the payload after the header, and ``reply``), so the order of their collectives can
+be read, and changed, in one place. They share the buffers and collectives of one :class:`Wire`.
+Only upper-case (buffer) mpi4py calls are used in rounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpifl.core.wire import Columns
+from mpifl.runtime.comm import ABORT_GRACE_S, peak_rss_bytes, rank_counts, wait_idle
+
+STOP, TRAIN, EVAL, LOSSES, CHECKPOINT = 0, 1, 2, 3, 4
+HEADER_LEN = 5
+#: Bits of an EVAL header's flag: per-client parameters follow (Ditto); evaluate after local
+#: adaptation too (run.adapt_epochs); per-client local coordinates follow (local BatchNorm).
+PERSONAL, ADAPTED, LOCAL = 1, 2, 4
+
+@dataclass
+class TrainRequest:
+    """What a worker receives for one request."""
+
+    command: int
+    round: int
+    lr: float
+    client_ids: np.ndarray  # (m,) int64, all selected clients (empty for EVAL)
+    w: np.ndarray  # (d,) float32 global (or candidate) parameters
+    inputs: np.ndarray | None = None  # (A,) float64 round inputs (TRAIN)
+    state: np.ndarray | None = None  # (m_r, s) float32 state rows of this rank's block (TRAIN)
+    personal: np.ndarray | None = None  # (K_r, d) float32 per-client parameters (EVAL)
+    local: np.ndarray | None = None  # (K_r, s) float32 per-client local coordinates (EVAL)
+    adapt: bool = False  # EVAL: evaluate after local adaptation too (round, lr as above)
+
+
+@dataclass
+class TrainReply:
+    """What rank 0 collects for one TRAIN request (arrays in client-id order)."""
+
+    updates: np.ndarray  # (m, d) float32, a view of a reused buffer
+    losses: np.ndarray  # (m,) float32
+    stats: np.ndarray | None  # (m, S) float32 statistics rows, None when S = 0
+    seconds: np.ndarray  # (size,) float64 training seconds per rank (rank 0: 0)
+    peak_rss: np.ndarray  # (size,) float64 peak resident bytes per rank
+    bytes_moved: int
+    time_broadcast: float  # seconds
+
+
+@dataclass
+class EvalReply:
+    """What rank 0 collects for one EVAL request (per client, (K,) each)."""
+
+    accuracy: np.ndarray
+    loss: np.ndarray
+    counts: np.ndarray | None = None  # (K, width) float64 group counts
+    personal_accuracy: np.ndarray | None = None
+    personal_loss: np.ndarray | None = None
+    adapted_accuracy: np.ndarray | None = None  # after local adaptation (run.adapt_epochs)
+    adapted_loss: np.ndarray | None = None
+    bytes_moved: int = 0
+    #: (size,) float64 every rank's peak resident bytes (getrusage) after the evaluation
+    peak_rss: np.ndarray | None = None
+
+
+class Wire:
+    """The buffers and collectives every command uses, over ``comm`` (rank 0 = server, ranks
+    >= 1 = workers).
+
+    Args:
+        comm: an mpi4py intracommunicator of size >= 2.
+        d: number of model parameters.
+        columns: the trainer's per-round extras (the same on every rank, from the plan).
+        peer_timeout: seconds a rank waits for the others at the protocol's two waits (the
+            workers' results, rank 0's next request) before :class:`PeerLost`; 0 = forever.
+        shard_bounds: (P + 1,) coordinate block bounds of a sharded server (P > 1; shard j is
+            rank j), or None: rank 0 gathers the whole updates.
+    """
+
+    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
+                 shard_bounds: np.ndarray | None = None):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.workers = self.size - 1
+        self.d = d
+        self.columns = columns
+        self.header = np.zeros(HEADER_LEN, dtype=np.float64)
+        self.w = np.empty(d, dtype=np.float32)
+        self.inputs = np.zeros(columns.inputs, dtype=np.float64)
+        self._updates = np.empty((0, d), dtype=np.float32)  # grown on demand, reused
+        self.busy = False  # rank 0: inside a request (see _request)
+        self.peer_timeout = float(peer_timeout)
+        self.shard_bounds = shard_bounds
+
+    def bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
+                     flag: int = 0):
+        if self.rank == 0:
+            self.header[:] = (command, rnd, lr, m, flag)
+        # workers may wait here through a whole aggregation: sleep instead of spinning
+        wait_idle(self.comm.Ibcast([self.header, self.MPI.DOUBLE], root=0),
+                  timeout=self.peer_timeout, waiting_for="rank 0" if self.rank else "a worker rank")
+        c, r, lr_, m_, f = self.header
+        return int(c), int(r), float(lr_), int(m_), int(f)
+
+    def results_ready(self) -> None:
+        """Rank 0 and the workers meet here once every worker has its results, so that rank 0
+        sleeps through the workers' training or evaluation instead of spinning in a Gatherv."""
+        wait_idle(self.comm.Ibarrier(), timeout=self.peer_timeout,
+                  waiting_for="rank 0" if self.rank else "a worker rank")
+
+    def collective(self, name: str, *args, root: int = 0) -> None:
+        """Run the blocking collective ``name`` (Bcast, Gatherv, Scatterv, Gather); with a peer
+        timeout, its nonblocking form completed under that timeout instead, so that a rank
+        that hangs mid-collective cannot hold the others forever."""
+        if not self.peer_timeout:
+            getattr(self.comm, name)(*args, root=root)
+            return
+        # spin (no sleep): large transfers progress only while the request is tested
+        wait_idle(getattr(self.comm, "I" + name.lower())(*args, root=root), max_sleep=0.0,
+                  timeout=self.peer_timeout, waiting_for="another rank")
+
+    def gatherv(self, local: np.ndarray, counts: np.ndarray | None, out: np.ndarray | None,
+                mpitype):
+        """Gather contiguous blocks (rank 0 sends nothing) into ``out`` on rank 0."""
+        if self.rank == 0:
+            displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+            self.collective("Gatherv", [local, 0, mpitype], [out, counts, displs, mpitype])
+        else:
+            self.collective("Gatherv", [local, mpitype], None)
+
+    def send_block(self, a: np.ndarray, dtype=np.float32) -> None:
+        """Worker: this rank's contiguous block of a gathered array."""
+        mpitype = self.MPI.FLOAT if dtype == np.float32 else self.MPI.DOUBLE
+        self.gatherv(np.ascontiguousarray(a, dtype=dtype), None, None, mpitype)
+
+    def scatterv(self, rows: np.ndarray | None, counts: np.ndarray | None, width: int,
+                 mine: int) -> np.ndarray | None:
+        """Send contiguous row blocks of ``rows`` (n, width) float32 from rank 0; a worker
+        receives its ``mine`` rows."""
+        if self.rank == 0:
+            displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+            self.collective("Scatterv", [np.ascontiguousarray(rows, np.float32), counts, displs,
+                                         self.MPI.FLOAT], [np.empty(0, np.float32), self.MPI.FLOAT])
+            return None
+        out = np.empty((mine, width), dtype=np.float32)
+        self.collective("Scatterv", None, [out, self.MPI.FLOAT])
+        return out
+
+    def updates_buffer(self, m: int) -> np.ndarray:
+        if self._updates.shape[0] < m:
+            self._updates = np.empty((m, self.d), dtype=np.float32)
+        return self._updates[:m]
+
+    def bcast_ids_w(self, ids: np.ndarray, w: np.ndarray | None) -> np.ndarray:
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        self.collective("Bcast", [ids, self.MPI.INT64_T])
+        if self.rank == 0:
+            self.w[:] = w
+        self.collective("Bcast", [self.w, self.MPI.FLOAT])
+        return ids
+
+    def gather_f64(self, counts: np.ndarray, width: int = 1) -> np.ndarray:
+        k = int(counts.sum())
+        out = np.empty((k, width) if width > 1 else k, dtype=np.float64)
+        self.gatherv(np.empty(0, np.float64), counts * width, out, self.MPI.DOUBLE)
+        return out
+
+    def gather_shards(self, updates: np.ndarray, blocks: np.ndarray) -> np.ndarray | None:
+        """Sharded server: one Gatherv per shard j (root: rank j) of every rank's column block
+        j of its (m_r, d) updates; returns this rank's gathered (m, hi - lo) block when it is a
+        shard, else None."""
+        mine, m = None, int(blocks.sum())
+        displs = np.concatenate([[0], np.cumsum(blocks[:-1])]).astype(np.int64)
+        for j, (lo, hi) in enumerate(zip(self.shard_bounds[:-1], self.shard_bounds[1:])):
+            width = int(hi - lo)
+            part = np.ascontiguousarray(updates[:, lo:hi], dtype=np.float32)
+            if self.rank == j:
+                mine = np.empty((m, width), dtype=np.float32)
+                recv = [mine, blocks * width, displs * width, self.MPI.FLOAT]
+            else:
+                recv = None
+            self.collective("Gatherv", [part, self.MPI.FLOAT], recv, root=j)
+        return mine
+
+    def gather_status(self, status: float) -> np.ndarray | None:
+        send = np.array([status], dtype=np.float64)
+        recv = np.empty(self.size, dtype=np.float64) if self.rank == 0 else None
+        self.collective("Gather", [send, self.MPI.DOUBLE],
+                        [recv, self.MPI.DOUBLE] if recv is not None else None)
+        return recv
+
+    def gather_rank_stats(self, seconds: float) -> np.ndarray | None:
+        """(size, 2) float64 on rank 0: every rank's [seconds, peak resident bytes]."""
+        send = np.array([seconds, peak_rss_bytes()], dtype=np.float64)
+        recv = np.empty((self.size, 2), dtype=np.float64) if self.rank == 0 else None
+        self.collective("Gather", [send, self.MPI.DOUBLE],
+                        [recv, self.MPI.DOUBLE] if recv is not None else None)
+        return recv
+
+
+def _request(method):
+    """Rank 0's ``request`` methods: ``busy`` while a request's collectives are under way, so
+    that after a failure rank 0 knows whether the workers are waiting for the next header (then
+    a STOP releases them cleanly) or are inside a collective (then only MPI_Abort ends them)."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        self.wire.busy = True
+        out = method(self, *args, **kwargs)
+        self.wire.busy = False  # left True when the request raised
+        return out
+
+    return wrapped
+
+
+class Command:
+    """One command of the protocol: its header code and the :class:`Wire` it travels on."""
+
+    code = -1
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+
+    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+        """Worker: the request's payload after the header (none by default)."""
+
+
+class Train(Command):
+    """TRAIN: the selected clients train from the global parameters; their updates, losses and
+    statistics rows come back (to the shards' column blocks on a sharded server)."""
+
+    code = TRAIN
+
+    @_request
+    def request(self, rnd: int, lr: float, client_ids: np.ndarray, w: np.ndarray,
+                bounds: np.ndarray, inputs: np.ndarray | None = None,
+                state: np.ndarray | None = None) -> TrainReply:
+        """Rank 0: send a TRAIN request and collect the results.
+
+        Args:
+            client_ids: (m,) int64 selected clients, ascending. w: (d,) float32.
+            bounds: (workers + 1,) block bounds from :func:`mpifl.runtime.comm.split_by_samples`.
+            inputs: (columns.inputs,) float64 round inputs (required when columns.inputs > 0).
+            state: (m, columns.state) float32 state rows (required when columns.state > 0).
+        """
+        x, m = self.wire, len(client_ids)
+        cols = x.columns
+        t0 = time.perf_counter()
+        x.bcast_header(TRAIN, rnd, lr, m)
+        ids = x.bcast_ids_w(client_ids, w)
+        sent = x.workers * (x.header.nbytes + ids.nbytes + x.w.nbytes)
+        blocks = rank_counts(bounds)
+        if cols.inputs:
+            x.inputs[:] = inputs
+            x.collective("Bcast", [x.inputs, x.MPI.DOUBLE])
+            sent += x.workers * x.inputs.nbytes
+        if cols.state:
+            x.scatterv(state, blocks * cols.state, cols.state, 0)
+            sent += m * cols.state * 4
+        t_bcast = time.perf_counter() - t0
+        x.results_ready()
+        if x.shard_bounds is None:
+            updates = x.updates_buffer(m)
+            x.gatherv(np.empty(0, np.float32), blocks * x.d, updates, x.MPI.FLOAT)
+        else:  # this rank's column block only (shard 0)
+            updates = x.gather_shards(np.empty((0, x.d), np.float32), blocks)
+        losses = np.empty(m, dtype=np.float32)
+        x.gatherv(np.empty(0, np.float32), blocks, losses, x.MPI.FLOAT)
+        stats = None
+        if cols.stats_width:
+            stats = np.empty((m, cols.stats_width), dtype=np.float32)
+            x.gatherv(np.empty(0, np.float32), blocks * cols.stats_width, stats, x.MPI.FLOAT)
+        ranks = x.gather_rank_stats(0.0)
+        received = m * x.d * 4 + losses.nbytes + (stats.nbytes if stats is not None else 0)
+        return TrainReply(updates, losses, stats, ranks[:, 0], ranks[:, 1], sent + received,
+                          t_bcast)
+
+    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+        x = self.wire
+        x.bcast_ids_w(req.client_ids, None)
+        if x.columns.inputs:
+            x.collective("Bcast", [x.inputs, x.MPI.DOUBLE])
+            req.inputs = x.inputs
+        if x.columns.state:
+            req.state = x.scatterv(None, None, x.columns.state, bounds_of(TRAIN, req.client_ids))
+
+    def reply(self, updates: np.ndarray, losses: np.ndarray, stats: np.ndarray | None,
+              seconds: float, blocks: np.ndarray | None = None) -> np.ndarray | None:
+        """Worker: contribute this rank's block of updates (m_r, d), losses (m_r,) and
+        statistics rows (m_r, S).
+
+        Args:
+            blocks: (size,) selected clients per rank (:func:`mpifl.runtime.comm.rank_counts`;
+                used on a sharded server only).
+
+        Returns:
+            On a shard rank of a sharded server, its column block of every selected client's
+            update (m, hi - lo) float32; else None.
+        """
+        x = self.wire
+        x.results_ready()
+        mine = None
+        if x.shard_bounds is None:
+            x.send_block(updates)
+        else:
+            mine = x.gather_shards(updates, blocks)
+        x.send_block(losses)
+        if x.columns.stats_width:
+            x.send_block(stats)
+        x.gather_rank_stats(seconds)
+        return mine
+
+
+class Losses(Command):
+    """LOSSES: the clients' mean training losses at candidate parameters (evaluation only, no
+    training; FedMDFG's line search), same blocks as TRAIN."""
+
+    code = LOSSES
+
+    @_request
+    def request(self, client_ids: np.ndarray, w: np.ndarray, bounds: np.ndarray
+                ) -> tuple[np.ndarray, int]:
+        """Rank 0: ``(losses (m,) float32 in client-id order, bytes_moved)``."""
+        x, m = self.wire, len(client_ids)
+        x.bcast_header(LOSSES, 0, 0.0, m)
+        ids = x.bcast_ids_w(client_ids, w)
+        losses = np.empty(m, dtype=np.float32)
+        blocks = rank_counts(bounds)
+        x.results_ready()
+        x.gatherv(np.empty(0, np.float32), blocks, losses, x.MPI.FLOAT)
+        return losses, x.workers * (x.header.nbytes + ids.nbytes + x.w.nbytes) + losses.nbytes
+
+    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+        self.wire.bcast_ids_w(req.client_ids, None)
+
+    def reply(self, losses: np.ndarray) -> None:
+        """Worker: this rank's block of losses (m_r,)."""
+        self.wire.results_ready()
+        self.wire.send_block(losses)
+
+
+class Eval(Command):
+    """EVAL: every client evaluated by the workers (each a static share), with per-client
+    parameters (PERSONAL), after local adaptation (ADAPTED), with local coordinates (LOCAL)."""
+
+    code = EVAL
+
+    @_request
+    def request(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
+                personal: np.ndarray | None = None, adapt: tuple[int, float] | None = None,
+                local: np.ndarray | None = None) -> EvalReply:
+        """Rank 0: evaluate all K clients on the workers.
+
+        Args:
+            counts: (size,) clients per rank (rank 0 has none), from
+                :func:`mpifl.runtime.comm.split_by_samples`.
+            width: extra float64 statistics per client (group counts), 0 for none.
+            personal: (K, d) float32 per-client parameters to evaluate as well, or None.
+            adapt: ``(round, lr)``: evaluate after local adaptation too (minibatch order keyed
+                by round), or None.
+            local: (K, s) float32 every client's local coordinates (s = ``columns.state``),
+                or None.
+        """
+        x, k = self.wire, int(counts.sum())
+        flag = ((PERSONAL if personal is not None else 0) | (ADAPTED if adapt is not None else 0)
+                | (LOCAL if local is not None else 0))
+        rnd, lr = adapt if adapt is not None else (0, 0.0)
+        x.bcast_header(EVAL, rnd, lr, flag=flag)
+        x.w[:] = w
+        x.collective("Bcast", [x.w, x.MPI.FLOAT])
+        sent = x.workers * (x.header.nbytes + x.w.nbytes)
+        if personal is not None:
+            x.scatterv(personal, counts * x.d, x.d, 0)
+            sent += personal.nbytes
+        if local is not None:
+            local = np.ascontiguousarray(local, dtype=np.float32)
+            x.scatterv(local, counts * x.columns.state, x.columns.state, 0)
+            sent += local.nbytes
+        x.results_ready()
+        reply = EvalReply(x.gather_f64(counts), x.gather_f64(counts))
+        if width:
+            reply.counts = x.gather_f64(counts, width)
+        if personal is not None:
+            reply.personal_accuracy = x.gather_f64(counts)
+            reply.personal_loss = x.gather_f64(counts)
+        if adapt is not None:
+            reply.adapted_accuracy = x.gather_f64(counts)
+            reply.adapted_loss = x.gather_f64(counts)
+        extra = 2 * ((personal is not None) + (adapt is not None))
+        reply.bytes_moved = sent + 8 * k * (2 + width + extra)
+        reply.peak_rss = x.gather_rank_stats(0.0)[:, 1]
+        return reply
+
+    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+        x = self.wire
+        x.collective("Bcast", [x.w, x.MPI.FLOAT])
+        if flag & PERSONAL:
+            req.personal = x.scatterv(None, None, x.d, bounds_of(EVAL, req.client_ids))
+        if flag & LOCAL:
+            req.local = x.scatterv(None, None, x.columns.state, bounds_of(EVAL, req.client_ids))
+        req.adapt = bool(flag & ADAPTED)
+
+    def reply(self, accuracy: np.ndarray, loss: np.ndarray, stats: np.ndarray | None,
+              personal: tuple[np.ndarray, np.ndarray] | None = None,
+              adapted: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Worker: this rank's share of accuracies, losses, (if any) statistics, (for a
+        personal evaluation) the personal accuracies and losses and (for an adapted one) the
+        adapted accuracies and losses, each (K_r,) float64."""
+        self.wire.results_ready()
+        arrays = ([accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
+                  + list(adapted or ()))
+        for a in arrays:
+            self.wire.send_block(a, np.float64)
+        self.wire.gather_rank_stats(0.0)  # peak memory after the evaluation
+
+
+class Checkpoint(Command):
+    """CHECKPOINT (sharded server): every shard rank writes its blocks of the rule's state for
+    the checkpoint after the header's round; every rank's status comes back."""
+
+    code = CHECKPOINT
+
+    @_request
+    def request(self, rounds_done: int, write) -> np.ndarray:
+        """Rank 0: ``write() -> status`` runs here meanwhile; (size,) float64 status per rank,
+        0 = ok."""
+        self.wire.bcast_header(CHECKPOINT, rounds_done)
+        return self.wire.gather_status(write())
+
+    def reply(self, status: float) -> None:
+        """Worker: 0 = written or nothing to write."""
+        self.wire.gather_status(status)
+
+
+class Stop(Command):
+    """STOP: the workers leave their loop and exit with the status in the header's round."""
+
+    code = STOP
+
+    def request(self, code: int = 0) -> None:
+        """Rank 0: release the workers; they exit with status ``code``."""
+        self.wire.bcast_header(STOP, code)
+
+
+class MPITransport:
+    """Both ends of the round protocol over ``comm``: one :class:`Wire` and its commands
+    (``train``, ``losses``, ``eval``, ``checkpoint``, ``stop``); arguments as :class:`Wire`."""
+
+    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
+                 shard_bounds: np.ndarray | None = None):
+        self.wire = x = Wire(comm, d, columns, peer_timeout, shard_bounds)
+        self.comm, self.rank, self.size, self.workers = comm, x.rank, x.size, x.workers
+        self.d, self.columns, self.shard_bounds = d, columns, shard_bounds
+        self.train, self.losses, self.eval = Train(x), Losses(x), Eval(x)
+        self.checkpoint, self.stop = Checkpoint(x), Stop(x)
+        self._by_code = {c.code: c for c in (self.train, self.losses, self.eval,
+                                             self.checkpoint, self.stop)}
+
+    @property
+    def busy(self) -> bool:
+        """Rank 0: inside a request's collectives (a failure then needs MPI_Abort)."""
+        return self.wire.busy
+
+    def receive(self, bounds_of=None) -> TrainRequest:
+        """Worker: wait for the next request from rank 0 and receive its payload.
+
+        Args:
+            bounds_of: ``bounds_of(command, client_ids) -> int``, the number of rows in this
+                rank's block of a TRAIN (selected clients) or EVAL (all clients) request; needed
+                to receive state rows or per-client parameters.
+        """
+        command, rnd, lr, m, flag = self.wire.bcast_header()
+        req = TrainRequest(command, rnd, lr, np.empty(m, dtype=np.int64), self.wire.w)
+        self._by_code[command].receive(req, flag, bounds_of)
+        return req
+
+    def abort(self, code: int) -> None:
+        """End every rank of the job now (a rank failed; never leave the others hanging).
+
+        Waits ``ABORT_GRACE_S`` first: mpiexec tears the job down on the first abort and drops
+        output it has not forwarded yet, so the failing rank's one-line message (printed just
+        before) would be lost when two ranks give up at the same moment.
+        """
+        time.sleep(ABORT_GRACE_S)
+        self.comm.Abort(code)
