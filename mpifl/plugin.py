@@ -27,9 +27,16 @@ The decorators (README "Plugins" walks through examples/plugin/ and examples/mod
 - :func:`register_loss` on a :class:`Loss` (``[model] loss = "<name>"``): the per-sample loss,
   the task (classification or regression) and the predicted labels.
 - :func:`register_dataset` on ``loader(*, seed, data_root, **params) -> DataPool | FederatedData``;
-  ``[data.params]`` are its keywords. A :class:`DataPool` is split by ``data.partition``.
+  ``[data.params]`` are its keywords, validated by its ``Params`` when it declares one
+  (``params=``), and ``provides=`` says what its pool has (``LABELS``, ``SENSITIVE``, ``RAW``,
+  ``CLIENTS``). A :class:`DataPool` is split by ``data.partition``.
 - :func:`register_partition` on ``partition(labels, num_clients, rng, **context) -> list of K
-  index arrays`` (:mod:`mpifl.data.registry`); ``[data.partition_params]`` are its keywords.
+  index arrays`` (or a :class:`Partitioned`; :mod:`mpifl.data.registry`);
+  ``[data.partition_params]`` are its keywords (``params=``: its ``Params``), ``needs=`` what a
+  data set must provide for it.
+
+mpifl's own data sets and partitions are registered by these same decorators
+(:mod:`mpifl.data.builtin`).
 """
 
 from mpifl.aggregators.base import RULES, Aggregator, RoundUpdates
@@ -38,14 +45,16 @@ from mpifl.aggregators.needs import (BenchInputs, BenchSpec, MemoryRows, Needs, 
                                      PersonalModels, RoundInputs, Shards, StateRows)
 from mpifl.core.params import Params
 from mpifl.data.federated import FederatedData
-from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, DataPool
+from mpifl.data import registry as _data
+from mpifl.data.registry import CLIENTS, LABELS, RAW, SENSITIVE, DataPool, Partitioned
 from mpifl.models.losses import LOSSES, Loss
 from mpifl.models.zoo import MODEL_FACTORIES
 
-__all__ = ["Aggregator", "BenchInputs", "BenchSpec", "DataPool", "FederatedData", "Loss",
-           "MemoryRows", "Needs", "ObservesParams", "Params", "PersonalModels", "RoundInputs",
-           "RoundUpdates", "Shards", "StateRows", "register_dataset", "register_loss",
-           "register_model", "register_partition", "register_rule", "RULES"]
+__all__ = ["Aggregator", "BenchInputs", "BenchSpec", "CLIENTS", "DataPool", "FederatedData",
+           "LABELS", "Loss", "MemoryRows", "Needs", "ObservesParams", "Params", "Partitioned",
+           "PersonalModels", "RAW", "RoundInputs", "RoundUpdates", "SENSITIVE", "Shards",
+           "StateRows", "register_dataset", "register_loss", "register_model",
+           "register_partition", "register_rule", "RULES"]
 
 
 def register_loss(name: str):
@@ -68,19 +77,32 @@ def register_model(name: str):
     return MODEL_FACTORIES.register(name)
 
 
-def register_dataset(name: str):
+def register_dataset(name: str, *, params: type[Params] | None = None, provides=None):
     """Decorator: register a data set loader as ``data.dataset = "<name>"``.
 
+    Args:
+        params: its ``Params`` (the ``[data.params]`` table, validated, defaults filled in);
+            None: the table's keys are passed through unchecked.
+        provides: what its pool has, of ``LABELS``, ``SENSITIVE``, ``RAW``, ``CLIENTS``, checked
+            against the partition before anything is loaded; None: checked once loaded.
+
     Raises:
-        ValueError: the name is taken by another loader, empty, or contains ':'.
+        ValueError: the name is taken by another loader, empty, or contains ':'; unknown tags.
+        TypeError: ``params`` is not a :class:`Params` subclass.
     """
-    return DATASET_LOADERS.register(name)
+    return _data.register_dataset(name, params=params, provides=provides)
 
 
-def register_partition(name: str):
+def register_partition(name: str, *, params: type[Params] | None = None, needs=()):
     """Decorator: register a partition as ``data.partition = "<name>"``.
 
+    Args:
+        params: its ``Params`` (the ``[data.partition_params]`` table); None: unchecked keys.
+        needs: what a data set must provide for it, of ``LABELS``, ``SENSITIVE``, ``RAW``,
+            ``CLIENTS``.
+
     Raises:
-        ValueError: the name is taken by another partition, empty, or contains ':'.
+        ValueError: the name is taken by another partition, empty, or contains ':'; unknown tags.
+        TypeError: ``params`` is not a :class:`Params` subclass.
     """
-    return PARTITIONERS.register(name)
+    return _data.register_partition(name, params=params, needs=needs)

@@ -25,10 +25,13 @@ def test_main_job_loads_with_its_values():
 
 def test_override_switches_algorithm_and_parses_toml_values():
     cfg = load_config(MAIN_JOB, ["server.algorithm=fedavg", "data.classes=[1,3]",
-                                 "client.lr=0.05", "model.hidden=[64]"])
+                                 "data.partition=one_class_per_client", "data.num_clients=2",
+                                 "server.clients_per_round=2", "client.lr=0.05",
+                                 "model.hidden=[64]"])
     assert cfg.server.algorithm == "fedavg"
     assert cfg.algorithm_params() == {"weighting": "samples"}
-    assert cfg.data.classes == [1, 3] and cfg.client.lr == 0.05 and cfg.model.hidden == [64]
+    assert cfg.data.partition_params == {"classes": [1, 3]}  # the old flat key, nested
+    assert cfg.client.lr == 0.05 and cfg.model.hidden == [64]
 
 
 def test_parse_override_keeps_bare_words_as_strings():

@@ -45,16 +45,16 @@ def same(a, b) -> bool:
 
 
 def test_public_names():
-    from mpifl.data.registry import PARTITIONERS
+    from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS
     from mpifl.experiment.config import load_config
 
     assert DATASETS == ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", "adult",
                         "compas", "german")
     assert PARTITIONS == ("iid", "shards", "pathological", "dirichlet", "one_class_per_client",
                           "natural", "group_skew")
-    # one truth: every built-in name is accepted by the config, the label partitions by name
-    assert set(PARTITIONS) - set(PARTITIONERS.available()) == {"one_class_per_client", "natural",
-                                                                "group_skew"}
+    # one truth: every built-in name is a registry entry, accepted by the config
+    assert set(PARTITIONS) <= set(PARTITIONERS.available())
+    assert set(DATASETS) <= set(DATASET_LOADERS.available())
     for name in DATASETS:
         load_config(None, [f"data.dataset={name}", "data.partition="
                            + ("natural" if name == "synthetic" else "iid")])
@@ -320,7 +320,8 @@ def test_load_federated_one_class_per_client(tmp_path):
     raw = _write_fake_fmnist(tmp_path / "fashion-mnist")  # 30 samples per class
     y_raw = np.concatenate([np.arange(240) % 10, np.arange(60) % 10])
     d = load_federated("fashion_mnist", partition="one_class_per_client", num_clients=3,
-                       seed=0, data_root=tmp_path, classes=[0, 2, 6], train_fraction=0.5)
+                       seed=0, data_root=tmp_path, partition_params={"classes": [0, 2, 6]},
+                       train_fraction=0.5)
     assert d.num_classes == 3 and d.x.shape == (90, 1, 28, 28)
     np.testing.assert_array_equal(np.bincount(d.y), [30, 30, 30])
     # 80/10/10 whatever train_fraction says; validation (3 per client) is left out
@@ -336,15 +337,15 @@ def test_load_federated_one_class_per_client(tmp_path):
     np.testing.assert_allclose(d.x[:, 0], expect[order], rtol=1e-4, atol=1e-4)
     with pytest.raises(DataError, match="num_clients == len"):
         load_federated("fashion_mnist", partition="one_class_per_client", num_clients=2,
-                       seed=0, data_root=tmp_path, classes=[0, 2, 6])
+                       seed=0, data_root=tmp_path, partition_params={"classes": [0, 2, 6]})
     with pytest.raises(DataError, match="not in 0..9"):
         load_federated("fashion_mnist", partition="one_class_per_client", num_clients=2,
-                       seed=0, data_root=tmp_path, classes=[0, 12])
+                       seed=0, data_root=tmp_path, partition_params={"classes": [0, 12]})
 
 
 @pytest.mark.parametrize("partition,extra", [("iid", {}), ("shards", {}),
-                                             ("pathological", {"classes_per_client": 2}),
-                                             ("dirichlet", {"dirichlet_alpha": 1.0})])
+                                             ("pathological", {"partition_params": {"classes_per_client": 2}}),
+                                             ("dirichlet", {"partition_params": {"alpha": 1.0}})])
 def test_load_federated_partitions_on_disk(tmp_path, partition, extra):
     _write_fake_fmnist(tmp_path / "fashion-mnist")
     kw = dict(partition=partition, num_clients=10, seed=1, data_root=tmp_path, **extra)

@@ -223,10 +223,10 @@ def test_plugin_model_is_deterministic_and_trains_like_the_per_client_loop(examp
 
 def test_plugin_data_set_is_split_by_built_in_and_plugin_partitions(example):
     fed = load_federated("bars", partition="dirichlet", num_clients=10, seed=1,
-                         dataset_params={"num_samples": 500}, dirichlet_alpha=0.5)
+                         dataset_params={"num_samples": 500}, partition_params={"alpha": 0.5})
     assert fed.x.shape == (500, 1, 8, 8) and fed.num_classes == 8 and fed.num_clients == 10
     again = load_federated("bars", partition="dirichlet", num_clients=10, seed=1,
-                           dataset_params={"num_samples": 500}, dirichlet_alpha=0.5)
+                           dataset_params={"num_samples": 500}, partition_params={"alpha": 0.5})
     assert np.array_equal(fed.train_idx, again.train_idx) and np.array_equal(fed.x, again.x)
     blocks = load_federated("bars", partition="sorted_blocks", num_clients=8, seed=0,
                             dataset_params={"num_samples": 800})

@@ -155,9 +155,9 @@ def test_load_federated_stable_width_and_standardisation(data_root):
 @pytest.mark.parametrize("preset", ["high", "low"])
 def test_group_skew_adult_presets(data_root, preset):
     fed = load_federated("adult", partition="group_skew", num_clients=5, seed=0,
-                         data_root=data_root, heterogeneity=preset)
+                         data_root=data_root, partition_params={"heterogeneity": preset})
     again = load_federated("adult", partition="group_skew", num_clients=5, seed=0,
-                           data_root=data_root, heterogeneity=preset)
+                           data_root=data_root, partition_params={"heterogeneity": preset})
     assert np.array_equal(fed.train_idx, again.train_idx)
     totals = np.bincount(fed.sensitive, minlength=2)
     for a, props in enumerate(P.GROUP_SKEW_PRESETS[preset]):
@@ -188,7 +188,8 @@ def test_group_skew_errors(data_root):
     with pytest.raises(DataError, match="sensitive attribute"):
         load_federated("fashion_mnist", partition="group_skew", num_clients=5, seed=0)
     fed = load_federated("german", partition="group_skew", num_clients=2, seed=0,
-                         data_root=data_root, group_proportions=[[1, 0], [0, 1]])
+                         data_root=data_root,
+                         partition_params={"group_proportions": [[1, 0], [0, 1]]})
     assert set(fed.sensitive[fed.train_indices(0)]) == {0}
 
 
@@ -196,7 +197,8 @@ def test_config_keys():
     cfg = load_config(None, ["data.dataset=adult", "data.partition=group_skew",
                              "data.num_clients=5", "server.clients_per_round=5",
                              "data.heterogeneity=low", "data.sensitive_feature=false"])
-    assert cfg.data.heterogeneity == "low" and cfg.data.sensitive_feature is False
+    assert cfg.data.partition_params == {"heterogeneity": "low", "group_proportions": None}
+    assert cfg.data.params == {"sensitive_feature": False}  # the old flat keys, nested
     with pytest.raises(ConfigError, match="5 clients"):
         load_config(None, ["data.dataset=adult", "data.partition=group_skew"])
     with pytest.raises(ConfigError, match="sensitive attribute"):

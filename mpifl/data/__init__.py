@@ -1,14 +1,17 @@
 """data — Datasets for mpifl: readers (IDX, CIFAR pickles read safely, Synthetic(alpha, beta), the
 tabular fairness sets Adult, COMPAS and German credit with a sensitive attribute), partitions
-over clients (ALGORITHMS.md §8), per-client train/test splits, and downloads.
+over clients (ALGORITHMS.md §8), per-client train/test splits, and downloads. mpifl's own data
+sets and partitions are registered like plugins (``registry``, ``builtin``), with their params
+and what goes with what declared once (``compat``).
 
 May import: core, metrics.  Never imports: models, aggregators, store or anything above them.
 
 Public API::
 
-    load_federated(dataset, *, partition, num_clients, seed, ...) -> FederatedData
+    load_federated(dataset, *, partition, num_clients, seed, train_fraction, data_root,
+                   dataset_params, partition_params) -> FederatedData
     fetch_dataset(name, root=None, base_url=None) -> Path
-    DATASETS, PARTITIONS, FETCHABLE
+    DATASETS, PARTITIONS (the built-in names), FETCHABLE
 """
 
 from mpifl.data.federated import DATASETS, PARTITIONS, FederatedData, load_federated

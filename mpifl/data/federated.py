@@ -2,6 +2,10 @@
 train/test split, stored as CSR index arrays (no per-client Python objects, so K = 10,000
 clients cost a few arrays).
 
+Every data set and partition, mpifl's own (:mod:`mpifl.data.builtin`) and plugins alike, comes
+from the registries of :mod:`mpifl.data.registry` and is loaded by the same steps:
+:func:`load_federated`.
+
 Reproducibility: the partition draws from ``default_rng([seed, PARTITION_TAG])`` and client k
 splits its samples with ``default_rng([seed, k, SPLIT_TAG])``; nothing depends on the number of
 ranks, so every rank that calls :func:`load_federated` with the same arguments gets the same
@@ -10,37 +14,25 @@ result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
-from mpifl.data import partition as P
-from mpifl.data.cifar import load_cifar10_pool, load_cifar100_pool
-from mpifl.data.idx import load_idx_pool
-from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, DataPool, call_partition
-from mpifl.data.roots import find_dataset_dir
-from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
-from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
-from mpifl.data.synthetic import generate_synthetic
-from mpifl.data.tabular import TABULAR, load_tabular, standardise_numeric
 from mpifl.core.blame import blame
 from mpifl.core.errors import DataError
 from mpifl.core.rng import PARTITION_TAG, SPLIT_TAG
+from mpifl.data.builtin import DATASETS, PARTITIONS
+from mpifl.data.compat import (check_combination, check_pool, describe_params, lookup,
+                               resolve_params)
+from mpifl.data.registry import (DATASET_LOADERS, PARTITIONERS, DataPool, Partitioned,
+                                 call_partition, params_class)
+from mpifl.data.tabular import standardise_numeric
 
-#: The built-in data sets (plugins add theirs to :data:`mpifl.data.registry.DATASET_LOADERS`).
-DATASETS = ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", *TABULAR)
-#: The built-in partitions; the label partitions among them are also in
-#: :data:`mpifl.data.registry.PARTITIONERS`, beside plugins.
-PARTITIONS = ("iid", "shards", "pathological", "dirichlet", "one_class_per_client", "natural",
-              "group_skew")
-#: Built-in partitions that are not label partitions of a pool.
-SPECIAL_PARTITIONS = ("one_class_per_client", "natural", "group_skew")
-
-ONE_CLASS_DEFAULT = (0, 2, 6)  # Fashion-MNIST T-shirt, pullover, shirt (FedFV Table 3)
-ONE_CLASS_FRACTIONS = (0.8, 0.1)  # train, test; the remaining 10 % is validation (unused)
-
-_NUM_CLASSES = {"fashion_mnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100}
+__all__ = ["DATASETS", "PARTITIONS", "FederatedData", "load_federated", "split_clients"]
 
 
 @dataclass
@@ -48,7 +40,7 @@ class FederatedData:
     """A sample pool and, per client, the indices of its local train and test samples.
 
     Attributes:
-        name: dataset name (one of :data:`DATASETS`).
+        name: the data set's name (``data.dataset``).
         x: (N, *input_shape) float32, every sample of the pool, normalised.
         y: (N,) int64 labels in 0..num_classes-1, or (N,) / (N, T) float32 regression targets
             (a plugin data set; ``[model] loss = "mse"``).
@@ -122,52 +114,6 @@ class FederatedData:
         return self.test_idx[self.test_ptr[k]:self.test_ptr[k + 1]]
 
 
-# --------------------------------------------------------------------------- loading pools
-
-def _load_raw(dataset: str, data_root: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """Raw images (N, channels, H, W) uint8 and labels (N,) int64 of the pooled train+test."""
-    folder = find_dataset_dir(dataset, data_root)
-    if dataset in ("fashion_mnist", "mnist"):
-        x, y = load_idx_pool(folder)
-        x = x[:, None]  # add the channel axis: (N, 1, 28, 28)
-    elif dataset == "cifar10":
-        x, y = load_cifar10_pool(folder)
-    else:
-        x, y = load_cifar100_pool(folder)
-    c = _NUM_CLASSES[dataset]
-    if len(y) and (y.min() < 0 or y.max() >= c):
-        raise DataError(f"{folder}: labels outside 0..{c - 1} (found {y.min()}..{y.max()})")
-    return x, y
-
-
-def _scale(x: np.ndarray) -> np.ndarray:
-    """uint8 pixels to float32 in [0, 1]."""
-    return np.multiply(x, np.float32(1 / 255), dtype=np.float32)
-
-
-def _standardise_channels(x: np.ndarray) -> np.ndarray:
-    """In place: per channel, subtract the pool's mean and divide by its std (CIFAR)."""
-    for c in range(x.shape[1]):
-        mean = x[:, c].mean(dtype=np.float64)
-        std = x[:, c].std(dtype=np.float64)
-        x[:, c] -= np.float32(mean)
-        x[:, c] /= np.float32(std if std > 0 else 1.0)
-    return x
-
-
-def _standardise_pixels(raw: np.ndarray) -> np.ndarray:
-    """Per pixel ``(x - mean) / (std + 0.001)`` over the samples given, on raw 0..255 values.
-
-    As in the q-FFL / AFL preprocessing that FedFV's one-class experiment reuses (ALGORITHMS.md §8).
-    """
-    xf = raw.astype(np.float32)
-    mean = xf.mean(axis=0, dtype=np.float64)
-    std = xf.std(axis=0, dtype=np.float64)
-    xf -= mean.astype(np.float32)
-    xf /= (std + 0.001).astype(np.float32)
-    return xf
-
-
 # --------------------------------------------------------------------------- client splits
 
 def _split_counts(n: int, fractions: Sequence[float]) -> tuple[int, int]:
@@ -210,23 +156,73 @@ def split_clients(parts: Sequence[np.ndarray], seed: int, fractions: Sequence[fl
     return (*csr(train), *csr(test))
 
 
+
 # --------------------------------------------------------------------------- entry point
+
+def load_federated(
+    dataset: str,
+    *,
+    partition: str,
+    num_clients: int,
+    seed: int,
+    train_fraction: float = 0.8,
+    data_root: str | None = None,
+    dataset_params: Mapping[str, Any] | None = None,
+    partition_params: Mapping[str, Any] | None = None,
+) -> FederatedData:
+    """Load a data set, partition its pool over K clients, split each client's samples into
+    local train/test. Every name goes through the registries (:mod:`mpifl.data.registry`).
+
+    Args:
+        dataset: a registered data set (:data:`DATASETS` are mpifl's own; the image sets are
+            searched for as described in :mod:`mpifl.data.roots`) or ``"pkg.module:loader"``.
+        partition: a registered partition (:data:`PARTITIONS`, see
+            :mod:`mpifl.data.partition`) or ``"pkg.module:function"``.
+        num_clients: K; for ``one_class_per_client`` it must equal ``len(classes)``.
+        seed: non-negative; keys the partition and the per-client splits.
+        train_fraction: share of each client's samples used for training, in (0, 1); the rest
+            is its test split. A partition may set its own split (``one_class_per_client``:
+            80/10/10 train/test/validation, validation unused, ALGORITHMS.md §8).
+        dataset_params: the data set loader's keywords (``[data.params]``), validated by its
+            ``Params`` when it has one (e.g. synthetic ``alpha``, ``beta``; tabular
+            ``sensitive_feature``).
+        partition_params: the partition's keywords (``[data.partition_params]``), likewise
+            (e.g. dirichlet ``alpha``, pathological ``classes_per_client``, one_class_per_client
+            ``classes``, group_skew ``heterogeneity`` / ``group_proportions``).
+
+    Returns:
+        The :class:`FederatedData` (normalisation: :mod:`mpifl.data.builtin`).
+
+    Raises:
+        DataError: unknown names, bad parameters (one line naming the key), a partition that
+            does not go with the data set, e.g. more clients than samples or a client left
+            with fewer than 2 samples, a missing or damaged dataset.
+    """
+    _check_args(dataset, partition, num_clients, seed, train_fraction)
+    dp = _params(DATASET_LOADERS, dataset, dataset_params, "data.params")
+    pp = _params(PARTITIONERS, partition, partition_params, "data.partition_params")
+    check_combination(dataset, partition, pp, num_clients)
+    out = _load(dataset, seed, data_root, num_clients, dp)
+    if isinstance(out, FederatedData):
+        if out.num_clients != num_clients:
+            raise DataError(f"data set '{dataset}' has {out.num_clients} clients, "
+                            f"data.num_clients is {num_clients}")
+        return out
+    if not isinstance(out, DataPool):
+        raise DataError(f"data set '{dataset}': the loader must return a DataPool or a "
+                        f"FederatedData, got {type(out).__name__}")
+    pool = out.check(dataset)
+    check_pool(dataset, partition, pool)
+    split = call_partition(partition, pool, num_clients,
+                           np.random.default_rng([seed, PARTITION_TAG]), pp)
+    return _federate(dataset, partition, pool if split.pool is None else split.pool, split, seed,
+                     train_fraction)
+
 
 def _check_args(dataset: str, partition: str, num_clients: int, seed: int,
                 train_fraction: float) -> None:
-    if dataset not in DATASETS:
-        _registered(DATASET_LOADERS, dataset, "dataset", known_datasets)
-    if partition not in SPECIAL_PARTITIONS:
-        _registered(PARTITIONERS, partition, "partition", known_partitions)
-    if (dataset == "synthetic") != (partition == "natural"):
-        raise DataError(f"partition 'natural' goes with dataset 'synthetic' and only with it "
-                        f"(got dataset '{dataset}', partition '{partition}')")
-    if partition == "group_skew" and dataset not in TABULAR:
-        raise DataError(f"partition 'group_skew' needs a dataset with a sensitive attribute "
-                        f"({', '.join(TABULAR)}), got '{dataset}'")
-    if partition == "one_class_per_client" and dataset in TABULAR:
-        raise DataError(f"partition 'one_class_per_client' is for the image datasets, got "
-                        f"'{dataset}'")
+    _registered(DATASET_LOADERS, dataset, "dataset")
+    _registered(PARTITIONERS, partition, "partition")
     if int(num_clients) != num_clients or num_clients < 1:
         raise DataError(f"num_clients must be a positive integer, got {num_clients}")
     if int(seed) != seed or seed < 0:
@@ -235,12 +231,52 @@ def _check_args(dataset: str, partition: str, num_clients: int, seed: int,
         raise DataError(f"train_fraction must be in (0, 1), got {train_fraction}")
 
 
-def _registered(registry, name: str, kind: str, known) -> None:
+def _registered(registry, name: str, kind: str) -> None:
     """DataError naming the known ones unless ``name`` is registered (or an importable path)."""
+    if lookup(registry, name) is None:
+        raise DataError(f"unknown {kind} '{name}' (known: {', '.join(registry.available())})")
+
+
+def _params(registry, name: str, params: Mapping[str, Any] | None, table: str) -> dict[str, Any]:
     try:
-        registry.get(name)
-    except LookupError:
-        raise DataError(f"unknown {kind} '{name}' (known: {', '.join(known())})") from None
+        return resolve_params(registry, name, params)
+    except ValidationError as exc:
+        raise DataError(describe_params(exc, table)) from None
+
+
+def _load(dataset: str, seed: int, data_root: str | None, num_clients: int,
+          params: dict[str, Any]) -> Any:
+    """The loader's pool or finished split; K is passed to a loader that names it."""
+    loader = DATASET_LOADERS.get(dataset)
+    extra = {"num_clients": num_clients} if _names(loader, "num_clients") else {}
+    with blame([("data set", dataset, loader)], "load"):
+        try:
+            return loader(seed=seed, data_root=data_root, **extra, **params)
+        except TypeError as exc:  # most often a [data.params] key a loader without Params lacks
+            if params_class(loader) is not None:
+                raise
+            raise DataError(f"data set '{dataset}': {exc}") from None
+
+
+def _names(fn: Any, keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _federate(dataset: str, partition: str, pool: DataPool, split: Partitioned, seed: int,
+              train_fraction: float) -> FederatedData:
+    """Cut each client's part into train/test, then standardise the pool's marked columns with
+    the training pool's statistics."""
+    _check_sizes(split.parts, partition)
+    fractions = split.fractions or (train_fraction,)
+    train_ptr, train_idx, test_ptr, test_idx = split_clients(split.parts, seed, fractions)
+    x = pool.x
+    if pool.standardise is not None:
+        x = standardise_numeric(x, pool.standardise, train_idx)
+    return FederatedData(dataset, x, pool.y, pool.num_classes, tuple(x.shape[1:]), train_ptr,
+                         train_idx, test_ptr, test_idx, sensitive=pool.sensitive)
 
 
 def _check_sizes(parts: Sequence[np.ndarray], partition: str) -> None:
@@ -253,193 +289,3 @@ def _check_sizes(parts: Sequence[np.ndarray], partition: str) -> None:
             f"(client {k} has {sizes[k]}), so they cannot have both a train and a test sample; "
             f"use fewer clients or other partition parameters"
         )
-
-
-def _one_class(dataset: str, raw: np.ndarray, y: np.ndarray, num_clients: int,
-               classes: Sequence[int] | None):
-    """Pool, labels, parts for one_class_per_client: the chosen classes only, relabelled."""
-    classes = list(ONE_CLASS_DEFAULT if classes is None else classes)
-    c_total = _NUM_CLASSES[dataset]
-    bad = [c for c in classes if not 0 <= int(c) < c_total]
-    if bad:
-        raise DataError(f"one_class_per_client: classes {bad} are not in 0..{c_total - 1}")
-    parts = P.one_class_per_client(y, num_clients, classes)
-    keep = np.concatenate(parts)
-    x = _standardise_pixels(raw[keep])
-    y_new = np.repeat(np.arange(len(parts), dtype=np.int64), [len(p) for p in parts])
-    return x, y_new, P.natural([len(p) for p in parts]), len(classes)
-
-
-def load_federated(
-    dataset: str,
-    *,
-    partition: str,
-    num_clients: int,
-    seed: int,
-    train_fraction: float = 0.8,
-    data_root: str | None = None,
-    classes_per_client: int = 2,
-    dirichlet_alpha: float = 0.5,
-    classes: list[int] | None = None,
-    synthetic_alpha: float = 1.0,
-    synthetic_beta: float = 1.0,
-    heterogeneity: str = "high",
-    group_proportions: Sequence[Sequence[float]] | None = None,
-    sensitive_feature: bool = True,
-    dataset_params: dict | None = None,
-    partition_params: dict | None = None,
-) -> FederatedData:
-    """Load a dataset, partition its pooled train+test samples over K clients, split each
-    client's samples into local train/test.
-
-    Args:
-        dataset: one of :data:`DATASETS`; the image sets are searched for as described in
-            :mod:`mpifl.data.roots`.
-        partition: one of :data:`PARTITIONS` (see :mod:`mpifl.data.partition`). ``natural``
-            goes with ``synthetic`` and only with it.
-        num_clients: K; for ``one_class_per_client`` it must equal ``len(classes)``.
-        seed: non-negative; keys the partition and the per-client splits.
-        train_fraction: share of each client's samples used for training, in (0, 1); the rest
-            is its test split. Ignored by ``one_class_per_client``, which always splits
-            80/10/10 train/test/validation (validation unused, ALGORITHMS.md §8).
-        classes_per_client: k of ``pathological``.
-        dirichlet_alpha: alpha of ``dirichlet``.
-        classes: the classes of ``one_class_per_client`` (default [0, 2, 6]); ignored by the
-            other partitions.
-        synthetic_alpha, synthetic_beta: the alpha, beta of Synthetic(alpha, beta).
-        heterogeneity: ``group_skew`` preset, ``"high"`` or ``"low"`` (the mFairFL paper's
-            splits over 5 clients, :data:`mpifl.data.partition.GROUP_SKEW_PRESETS`).
-        group_proportions: ``group_skew`` shares, one row of K per sensitive group; replaces
-            the preset when given.
-        sensitive_feature: tabular sets only: keep the sensitive attribute's one-hot columns
-            among the model inputs (it is always in ``FederatedData.sensitive``).
-        dataset_params: keyword arguments of a plugin data set's loader.
-        partition_params: keyword arguments of a plugin partition.
-
-    Normalisation: (Fashion-)MNIST pixels / 255; CIFAR / 255 then per-channel standardisation
-    with the pool's mean and std; ``one_class_per_client`` per-pixel ``(x - mean) / (std +
-    0.001)`` over the chosen classes' samples (raw 0..255 values), labels remapped to
-    0..len(classes)-1; synthetic features as drawn; tabular numerical columns standardised with
-    the mean and std of the training pool (the union of the clients' train splits), one-hot
-    columns as 0/1.
-
-    Raises:
-        DataError: unknown names, bad parameters (e.g. more clients than samples, a client left
-            with fewer than 2 samples), a missing or damaged dataset.
-    """
-    _check_args(dataset, partition, num_clients, seed, train_fraction)
-    label_split = dict(classes_per_client=classes_per_client, dirichlet_alpha=dirichlet_alpha,
-                       params=partition_params)
-    if dataset not in DATASETS:
-        return _load_plugin(dataset, partition, num_clients, seed, train_fraction, data_root,
-                            dataset_params or {}, label_split)
-    if dataset in TABULAR:
-        return _load_tabular(dataset, partition, num_clients, seed, train_fraction, data_root,
-                             classes_per_client, dirichlet_alpha,
-                             _group_proportions(heterogeneity, group_proportions),
-                             sensitive_feature, partition_params)
-    fractions: tuple[float, ...] = (train_fraction,)
-    if dataset == "synthetic":
-        x, y, sizes = generate_synthetic(num_clients, seed, synthetic_alpha, synthetic_beta)
-        parts, num_classes = P.natural(sizes), SYNTHETIC_CLASSES
-        input_shape: tuple[int, ...] = (SYNTHETIC_FEATURES,)
-    else:
-        raw, y = _load_raw(dataset, data_root)
-        input_shape = tuple(raw.shape[1:])
-        if partition == "one_class_per_client":
-            x, y, parts, num_classes = _one_class(dataset, raw, y, num_clients, classes)
-            fractions = ONE_CLASS_FRACTIONS
-        else:
-            num_classes = _NUM_CLASSES[dataset]
-            x = _scale(raw)
-            del raw
-            if dataset.startswith("cifar"):
-                _standardise_channels(x)
-            parts = _partition(partition, y, num_clients, seed, num_classes, **label_split)
-    _check_sizes(parts, partition)
-    train_ptr, train_idx, test_ptr, test_idx = split_clients(parts, seed, fractions)
-    return FederatedData(dataset, x, y, num_classes, input_shape,
-                         train_ptr, train_idx, test_ptr, test_idx)
-
-
-def _group_proportions(heterogeneity: str, explicit) -> Sequence[Sequence[float]]:
-    if explicit is not None:
-        return explicit
-    if heterogeneity not in P.GROUP_SKEW_PRESETS:
-        raise DataError(f"heterogeneity must be one of {', '.join(P.GROUP_SKEW_PRESETS)}, "
-                        f"got {heterogeneity!r}")
-    return P.GROUP_SKEW_PRESETS[heterogeneity]
-
-
-def _load_tabular(dataset: str, partition: str, num_clients: int, seed: int,
-                  train_fraction: float, data_root: str | None, classes_per_client: int,
-                  dirichlet_alpha: float, proportions: Sequence[Sequence[float]],
-                  sensitive_feature: bool, partition_params: dict | None) -> FederatedData:
-    """A tabular set: read, partition (labels, or sensitive groups for group_skew), split,
-    then standardise the numerical columns with the training pool's statistics."""
-    pool = load_tabular(dataset, data_root, sensitive_feature=sensitive_feature)
-    if partition == "group_skew":
-        rng = np.random.default_rng([seed, PARTITION_TAG])
-        parts = P.group_skew(pool.sensitive, num_clients, rng, proportions)
-    else:
-        parts = _partition(partition, pool.y, num_clients, seed, 2,
-                           classes_per_client=classes_per_client, dirichlet_alpha=dirichlet_alpha,
-                           params=partition_params, sensitive=pool.sensitive)
-    _check_sizes(parts, partition)
-    train_ptr, train_idx, test_ptr, test_idx = split_clients(parts, seed, (train_fraction,))
-    x = standardise_numeric(pool.x, pool.numeric, train_idx)
-    return FederatedData(dataset, x, pool.y, 2, (x.shape[1],), train_ptr, train_idx,
-                         test_ptr, test_idx, sensitive=pool.sensitive)
-
-
-def _partition(name: str, y: np.ndarray, num_clients: int, seed: int, num_classes: int, *,
-               classes_per_client: int, dirichlet_alpha: float, params: dict | None = None,
-               sensitive: np.ndarray | None = None) -> list[np.ndarray]:
-    rng = np.random.default_rng([seed, PARTITION_TAG])
-    context = dict(num_classes=num_classes, sensitive=sensitive,
-                   classes_per_client=classes_per_client, dirichlet_alpha=dirichlet_alpha)
-    return call_partition(name, y, num_clients, rng, context, params)
-
-
-def known_datasets() -> list[str]:
-    """Built-in and registered plugin data set names."""
-    return [*DATASETS, *(n for n in DATASET_LOADERS.available() if n not in DATASETS)]
-
-
-def known_partitions() -> list[str]:
-    """Built-in and registered plugin partition names."""
-    return [*PARTITIONS, *(n for n in PARTITIONERS.available() if n not in PARTITIONS)]
-
-
-def _load_plugin(dataset: str, partition: str, num_clients: int, seed: int,
-                 train_fraction: float, data_root: str | None, params: dict,
-                 label_split: dict) -> FederatedData:
-    """A plugin data set: its loader's finished split, or its pool split by a label partition."""
-    loader = DATASET_LOADERS.get(dataset)
-    with blame([("data set", dataset, loader)], "load"):
-        try:
-            out = loader(seed=seed, data_root=data_root, **params)
-        except TypeError as exc:  # most often a [data.params] key the loader lacks
-            raise DataError(f"data set '{dataset}': {exc}") from None
-    if isinstance(out, FederatedData):
-        if out.num_clients != num_clients:
-            raise DataError(f"data set '{dataset}' has {out.num_clients} clients, "
-                            f"data.num_clients is {num_clients}")
-        return out
-    if not isinstance(out, DataPool):
-        raise DataError(f"data set '{dataset}': the loader must return a DataPool or a "
-                        f"FederatedData, got {type(out).__name__}")
-    pool = out.check(dataset)
-    if partition in SPECIAL_PARTITIONS:
-        raise DataError(f"partition '{partition}' is for the built-in data sets; split a plugin "
-                        f"data set with a label partition (iid, shards, pathological, dirichlet) "
-                        f"or a plugin partition (which may take `sensitive`)")
-    if pool.y.dtype.kind == "f" and partition in PARTITIONS and partition != "iid":
-        raise DataError(f"partition '{partition}' splits by class label; data set '{dataset}' "
-                        f"has regression targets: use 'iid' or a plugin partition")
-    parts = _partition(partition, pool.y, num_clients, seed, pool.num_classes,
-                       sensitive=pool.sensitive, **label_split)
-    _check_sizes(parts, partition)
-    train_ptr, train_idx, test_ptr, test_idx = split_clients(parts, seed, (train_fraction,))
-    return FederatedData(dataset, pool.x, pool.y, pool.num_classes, tuple(pool.x.shape[1:]),
-                         train_ptr, train_idx, test_ptr, test_idx, sensitive=pool.sensitive)

@@ -1,31 +1,54 @@
-"""Data sets and partitions by name: the built-in label partitions and the users' own.
+"""Data sets and partitions by name: one registry each, for mpifl's own entries
+(:mod:`mpifl.data.builtin`) and the users' alike.
 
-A **data set plugin** is a loader ``(*, seed, data_root, **params) -> DataPool | FederatedData``
-registered with ``@DATASET_LOADERS.register("name")``: either the pool of examples that a
-registered partition then splits over the clients (and each client's samples into local
-train/test, as for the built-in sets), or a finished federated split.
+A **data set** is a loader ``(*, seed, data_root, **params) -> DataPool | FederatedData``
+registered with :func:`register_dataset`: either the pool of examples that a partition then
+splits over the clients (and each client's samples into local train/test), or a finished
+federated split. A loader whose signature names ``num_clients`` also gets K (Synthetic(alpha,
+beta) draws one generator per client).
 
-A **partition plugin** is ``(labels, num_clients, rng, **context) -> list of K index arrays``
-registered with ``@PARTITIONERS.register("name")``. It receives, of ``num_classes``,
-``sensitive``, ``classes_per_client`` and ``dirichlet_alpha``, those its signature names (all of
-them if it takes ``**kwargs``), plus the config's ``[data.partition_params]``; ``rng`` is keyed by
-``(seed, PARTITION_TAG)`` so the split depends only on the seed.
+A **partition** is ``(labels, num_clients, rng, **context) -> list of K index arrays`` (or a
+:class:`Partitioned`) registered with :func:`register_partition`. Of the context ``num_classes``,
+``sensitive`` and ``pool`` (the :class:`DataPool`) it receives those its signature names (all of
+them if it takes ``**kwargs``), plus its parameters; ``rng`` is keyed by ``(seed,
+PARTITION_TAG)`` so the split depends only on the seed.
+
+Each entry may declare a ``Params`` class (:class:`mpifl.core.params.Params`, as rules do): the
+config's ``[data.params]`` (data set) or ``[data.partition_params]`` (partition), validated with
+one-line errors, defaults filled in; an entry without one gets its table as keyword arguments
+unchecked. A data set declares what its pool ``provides`` and a partition what it ``needs``
+(:data:`LABELS`, :data:`SENSITIVE`, :data:`RAW`, :data:`CLIENTS`); :mod:`mpifl.data.compat`
+checks the pairs, for the config and :func:`mpifl.data.load_federated` alike.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from mpifl.core.errors import DataError
+from mpifl.core.params import Params
 from mpifl.core.registry import Registry
-from mpifl.data import partition as P
 
-__all__ = ["DATASET_LOADERS", "PARTITIONERS", "DataPool", "call_partition"]
+__all__ = ["CLIENTS", "DATASET_LOADERS", "LABELS", "NoParams", "PARTITIONERS", "RAW", "SENSITIVE",
+           "DataPool", "Partitioned", "call_partition", "params_class", "register_dataset",
+           "register_partition"]
+
+#: What a data set's pool provides and a partition may need:
+LABELS = "labels"        # integer class labels (not regression targets)
+SENSITIVE = "sensitive"  # a sensitive-group id per sample (DataPool.sensitive)
+RAW = "raw"              # the raw uint8 images besides the normalised x (DataPool.raw)
+CLIENTS = "clients"      # the data set's own clients (DataPool.client_sizes); such a data set
+#                          goes only with a partition that needs them
+TAGS = (LABELS, SENSITIVE, RAW, CLIENTS)
+
+
+class NoParams(Params):
+    """The parameters of an entry that takes none: any key is refused."""
 
 
 @dataclass
@@ -41,15 +64,33 @@ class DataPool:
             width).
         sensitive: optional (N,) int64 sensitive-group ids (for demographic parity and the other
             group-fairness metrics, mFairFL, the ``group_skew`` partition); None without one.
+        raw: optional (N, *input_shape) uint8, the images before normalisation, for a partition
+            that normalises its own subset (``one_class_per_client``).
+        client_sizes: optional (K,) int64: the samples come grouped by the data set's own
+            clients, client k holding the next ``client_sizes[k]`` rows (the ``natural``
+            partition); such a pool goes only with a partition that takes its clients.
+        standardise: optional (F,) bool over the columns of a 2-D x: these are standardised
+            after the split with the mean and std of the training pool (the union of the
+            clients' train splits), so no test sample leaks into the features.
     """
 
     x: np.ndarray
     y: np.ndarray
     num_classes: int
     sensitive: np.ndarray | None = None
+    raw: np.ndarray | None = None
+    client_sizes: np.ndarray | None = None
+    standardise: np.ndarray | None = None
+
+    def provides(self) -> frozenset[str]:
+        """The tags (:data:`TAGS`) this pool offers a partition."""
+        has = {LABELS: self.y.dtype.kind in "iu", SENSITIVE: self.sensitive is not None,
+               RAW: self.raw is not None, CLIENTS: self.client_sizes is not None}
+        return frozenset(tag for tag, yes in has.items() if yes)
 
     def check(self, name: str) -> DataPool:
-        """This pool with its dtypes checked (float32 x, int64 y / sensitive, labels in range).
+        """This pool with its dtypes and shapes checked (float32 x, int64 y / sensitive,
+        labels in range, the optional arrays fitting x).
 
         Raises:
             DataError: one line naming the data set and what is wrong.
@@ -65,14 +106,17 @@ class DataPool:
                                 f"num_classes={self.num_classes}")
             if not np.isfinite(y).all():
                 raise DataError(f"data set '{name}': the targets have NaN or infinite values")
-            return DataPool(x, y, int(self.num_classes), self._sensitive(name, y))
-        if y.shape != (len(x),) or y.dtype.kind not in "iu":
-            raise DataError(f"data set '{name}': y must be ({len(x)},) integers, got {y.shape} "
-                            f"{y.dtype}")
-        if int(self.num_classes) < 2 or (len(y) and (y.min() < 0 or y.max() >= self.num_classes)):
-            raise DataError(f"data set '{name}': labels must lie in 0..num_classes-1 with "
-                            f"num_classes >= 2 (num_classes={self.num_classes})")
-        return DataPool(x, y.astype(np.int64), int(self.num_classes), self._sensitive(name, y))
+        else:
+            if y.shape != (len(x),) or y.dtype.kind not in "iu":
+                raise DataError(f"data set '{name}': y must be ({len(x)},) integers, got "
+                                f"{y.shape} {y.dtype}")
+            if int(self.num_classes) < 2 or (len(y) and (y.min() < 0
+                                                         or y.max() >= self.num_classes)):
+                raise DataError(f"data set '{name}': labels must lie in 0..num_classes-1 with "
+                                f"num_classes >= 2 (num_classes={self.num_classes})")
+            y = y.astype(np.int64)
+        return replace(self, x=x, y=y, num_classes=int(self.num_classes),
+                       sensitive=self._sensitive(name, y), **self._extras(name, x))
 
     def _sensitive(self, name: str, y: np.ndarray) -> np.ndarray | None:
         s = self.sensitive
@@ -84,39 +128,129 @@ class DataPool:
             s = s.astype(np.int64)
         return s
 
+    def _extras(self, name: str, x: np.ndarray) -> dict[str, np.ndarray | None]:
+        """raw, client_sizes and standardise, checked against x."""
+        raw, sizes, cols = self.raw, self.client_sizes, self.standardise
+        if raw is not None and (raw.dtype != np.uint8 or raw.shape != x.shape):
+            raise DataError(f"data set '{name}': raw must be {x.shape} uint8, got {raw.shape} "
+                            f"{raw.dtype}")
+        if sizes is not None:
+            sizes = np.asarray(sizes)
+            if sizes.ndim != 1 or sizes.dtype.kind not in "iu" or sizes.sum() != len(x) \
+                    or (len(sizes) and sizes.min() < 0):
+                raise DataError(f"data set '{name}': client_sizes must be non-negative integers "
+                                f"summing to the {len(x)} samples")
+            sizes = sizes.astype(np.int64)
+        if cols is not None:
+            cols = np.asarray(cols)
+            if cols.dtype != bool or x.ndim != 2 or cols.shape != x.shape[1:]:
+                raise DataError(f"data set '{name}': standardise must be ({x.shape[-1]},) bool "
+                                f"over the columns of a 2-D x")
+        return dict(raw=raw, client_sizes=sizes, standardise=cols)
+
+
+@dataclass
+class Partitioned:
+    """What a partition returns when it does more than cut the pool.
+
+    Attributes:
+        parts: K int64 index arrays into ``pool`` (or into the pool it was given).
+        pool: a new pool the parts index, built from the given one (a subset, re-normalised,
+            relabelled); None: the given pool.
+        fractions: the clients' ``(train, test)`` split fractions (the rest is held out),
+            replacing ``(train_fraction,)``; None: ``data.train_fraction``.
+    """
+
+    parts: list[np.ndarray]
+    pool: DataPool | None = None
+    fractions: tuple[float, ...] | None = None
+
 
 def _check_callable(name: str, fn: object) -> None:
     if not callable(fn):
         raise TypeError(f"{name!r} must be a function, got {fn!r}")
+    declared = getattr(fn, "Params", None)
+    if declared is not None and not (isinstance(declared, type) and issubclass(declared, Params)):
+        raise TypeError(f"{name!r}: its Params must subclass mpifl.core.params.Params")
 
 
-#: Data set loaders by name (plugins; the built-in sets are read by :mod:`mpifl.data.federated`).
+#: Data set loaders by name: mpifl's own (:mod:`mpifl.data.builtin`) and plugins.
 DATASET_LOADERS: Registry[Callable[..., Any]] = Registry("data set", _check_callable)
-#: Label partitions by name: the built-in ones below and plugins.
-PARTITIONERS: Registry[Callable[..., list[np.ndarray]]] = Registry("partition", _check_callable)
-
-PARTITIONERS.add("iid", P.iid)
-PARTITIONERS.add("shards", P.shards)
+#: Partitions by name: mpifl's own (:mod:`mpifl.data.builtin`) and plugins.
+PARTITIONERS: Registry[Callable[..., Any]] = Registry("partition", _check_callable)
 
 
-@PARTITIONERS.register("pathological")
-def _pathological(labels, num_clients, rng, *, num_classes, classes_per_client=2):
-    return P.pathological(labels, num_clients, rng, classes_per_client, num_classes)
+def _tags(tags: Iterable[str], what: str) -> frozenset[str]:
+    out = frozenset(tags)
+    if not out <= set(TAGS):
+        raise ValueError(f"{what}: unknown tags {sorted(out - set(TAGS))}; known: {TAGS}")
+    return out
 
 
-@PARTITIONERS.register("dirichlet")
-def _dirichlet(labels, num_clients, rng, *, num_classes, dirichlet_alpha=0.5):
-    return P.dirichlet(labels, num_clients, rng, dirichlet_alpha, num_classes)
+def register_dataset(name: str, *, params: type[Params] | None = None,
+                     provides: Iterable[str] | None = None):
+    """Decorator: register a data set loader as ``data.dataset = "<name>"``.
+
+    Args:
+        params: its ``Params`` (the ``[data.params]`` table); None: the table's keys are passed
+            through unchecked.
+        provides: the :data:`TAGS` its pool has, checked against a partition's needs before
+            anything is loaded; None: known only once loaded (from the pool).
+
+    Raises:
+        ValueError: the name is taken by another loader, empty, or contains ':'; unknown tags.
+        TypeError: ``params`` is not a :class:`mpifl.core.params.Params` subclass.
+    """
+    declared = None if provides is None else _tags(provides, f"data set {name!r}")
+
+    def deco(fn):
+        if params is not None:
+            fn.Params = params
+        if declared is not None:
+            fn.provides = declared
+        return DATASET_LOADERS.register(name)(fn)
+
+    return deco
 
 
-def call_partition(name: str, labels: np.ndarray, num_clients: int, rng: np.random.Generator,
-                   context: dict[str, Any], params: dict[str, Any] | None = None
-                   ) -> list[np.ndarray]:
-    """Run partition ``name`` with the context keys its signature names plus ``params``.
+def register_partition(name: str, *, params: type[Params] | None = None,
+                       needs: Iterable[str] = ()):
+    """Decorator: register a partition as ``data.partition = "<name>"``.
+
+    Args:
+        params: its ``Params`` (the ``[data.partition_params]`` table); None: the table's keys
+            are passed through unchecked.
+        needs: the :data:`TAGS` a data set must provide for it (e.g. :data:`LABELS` for a
+            split by class label).
+
+    Raises:
+        ValueError: the name is taken by another partition, empty, or contains ':'; unknown tags.
+        TypeError: ``params`` is not a :class:`mpifl.core.params.Params` subclass.
+    """
+    wanted = _tags(needs, f"partition {name!r}")
+
+    def deco(fn):
+        if params is not None:
+            fn.Params = params
+        fn.needs = wanted
+        return PARTITIONERS.register(name)(fn)
+
+    return deco
+
+
+def params_class(entry: object) -> type[Params] | None:
+    """The ``Params`` an entry declares, or None."""
+    return getattr(entry, "Params", None)
+
+
+def call_partition(name: str, pool: DataPool, num_clients: int, rng: np.random.Generator,
+                   params: dict[str, Any] | None = None) -> Partitioned:
+    """Run partition ``name`` on ``pool`` with the context its signature names plus ``params``
+    (already validated by its Params, if it has one).
 
     Raises:
         DataError: unknown partition, parameters it does not take, or a result that is not
-            K integer index arrays into ``labels``.
+            K integer index arrays into its pool.
     """
     try:
         fn = PARTITIONERS.get(name)
@@ -124,17 +258,28 @@ def call_partition(name: str, labels: np.ndarray, num_clients: int, rng: np.rand
         raise DataError(f"data.partition: {exc}") from None
     sig = inspect.signature(fn).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.values())
+    context = dict(num_classes=pool.num_classes, sensitive=pool.sensitive, pool=pool)
     kwargs = {k: v for k, v in context.items() if takes_all or k in sig}
     try:
-        parts = fn(labels, num_clients, rng, **kwargs, **(params or {}))
+        out = fn(pool.y, num_clients, rng, **kwargs, **(params or {}))
     except TypeError as exc:
+        if params_class(fn) is not None:  # validated keywords: a bug, not a user's mistake
+            raise
         raise DataError(f"partition '{name}': {exc}") from None
-    if len(parts) != num_clients:
-        raise DataError(f"partition '{name}' returned {len(parts)} clients, expected {num_clients}")
-    out = [np.asarray(p) for p in parts]
-    for p in out:
-        if p.ndim != 1 or p.dtype.kind not in "iu" or (p.size and (p.min() < 0
-                                                                     or p.max() >= len(labels))):
+    if not isinstance(out, Partitioned):
+        try:
+            out = Partitioned(list(out))
+        except TypeError:
+            raise DataError(f"partition '{name}' must return K index arrays or a Partitioned, "
+                            f"got {type(out).__name__}") from None
+    result = out
+    n = len((result.pool or pool).y)
+    if len(result.parts) != num_clients:
+        raise DataError(f"partition '{name}' returned {len(result.parts)} clients, expected "
+                        f"{num_clients}")
+    parts = [np.asarray(p) for p in result.parts]
+    for p in parts:
+        if p.ndim != 1 or p.dtype.kind not in "iu" or (p.size and (p.min() < 0 or p.max() >= n)):
             raise DataError(f"partition '{name}' must return 1-D integer index arrays into the "
-                            f"{len(labels)} samples")
-    return [p.astype(np.int64) for p in out]
+                            f"{n} samples")
+    return replace(result, parts=[p.astype(np.int64) for p in parts])

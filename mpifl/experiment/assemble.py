@@ -71,11 +71,7 @@ def build_parts(plan: Plan) -> Parts:
     d, seed = plan.data, plan.seed
     fed = load_federated(
         d.dataset, partition=d.partition, num_clients=d.num_clients, seed=seed,
-        train_fraction=d.train_fraction, data_root=d.data_root,
-        classes_per_client=d.classes_per_client, dirichlet_alpha=d.dirichlet_alpha,
-        classes=d.classes, synthetic_alpha=d.synthetic_alpha, synthetic_beta=d.synthetic_beta,
-        heterogeneity=d.heterogeneity, group_proportions=d.group_proportions,
-        sensitive_feature=d.sensitive_feature, dataset_params=d.params,
+        train_fraction=d.train_fraction, data_root=d.data_root, dataset_params=d.params,
         partition_params=d.partition_params)
     if fed.sensitive is None and (plan.needs.num_groups or (
             plan.meta is not None and plan.meta.meta_sampling == "group_balanced")):

@@ -224,7 +224,7 @@ def _data_shape(cfg: Config) -> tuple[float | None, tuple[int, ...] | None, int 
     if d.dataset in _IMAGE_POOLS:
         n, shape, c = _IMAGE_POOLS[d.dataset]
         if d.partition == "one_class_per_client":
-            c = len(d.classes)
+            c = len(d.partition_params["classes"])
         # float32 pool plus the raw uint8 images it is converted from
         return float(n), shape, c, 5.0 * math.prod(shape)
     if d.dataset in TABULAR:

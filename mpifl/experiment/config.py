@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from mpifl import aggregators
 from mpifl.clients import TRAINERS
@@ -29,9 +29,8 @@ from mpifl.core.errors import ConfigError
 from mpifl.core.params import Params
 from mpifl.core.plugins import PluginError, load_modules
 from mpifl.core.registry import closest
-from mpifl.data.federated import DATASETS, SPECIAL_PARTITIONS
-from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS
-from mpifl.data.tabular import TABULAR
+from mpifl.data.compat import IncompatibleData, check_combination, nest_params, provided, providers
+from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, SENSITIVE
 from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
 from mpifl.runtime.loggers import LOGGERS, missing_requirement
 
@@ -94,29 +93,34 @@ class PluginsConfig(_Section):
 
 
 class DataConfig(_Section):
+    """``[data]``. A data set's and a partition's own parameters are the nested tables
+    ``[data.params]`` and ``[data.partition_params]``, validated by the entry's ``Params``
+    (:mod:`mpifl.data.builtin` for mpifl's own) and stored with its defaults filled in. The old
+    flat keys (``dirichlet_alpha``, ``classes_per_client``, ``classes``, ``synthetic_alpha``,
+    ``synthetic_beta``, ``heterogeneity``, ``group_proportions``, ``sensitive_feature``) are still
+    read, for job files, ``--set`` and sweeps (which name ``section.key``) and stored configs:
+    moved into the table of the entry that reads them (:func:`mpifl.data.compat.nest_params`)."""
+
     # a built-in or plugin data set / partition, or "pkg.module:function" (checked by name later)
     dataset: str = "fashion_mnist"
     partition: str = "shards"
     num_clients: int = Field(100, ge=1, le=INT32_MAX)
     train_fraction: float = Field(0.8, gt=0.0, lt=1.0)
     data_root: str | None = None
-    # pathological's k; the partition refuses more than the data set's classes
-    classes_per_client: int = Field(2, ge=1, le=INT32_MAX)
-    dirichlet_alpha: float = Field(0.5, gt=0.0)
-    # one_class_per_client's classes, one per client; the partition refuses classes the data set
-    # lacks
-    classes: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
-        default_factory=lambda: [0, 2, 6], min_length=1)
-    synthetic_alpha: float = Field(1.0, ge=0.0)
-    synthetic_beta: float = Field(1.0, ge=0.0)
-    # group_skew (mFairFL): a preset of the paper (5 clients) or explicit shares per group
-    heterogeneity: Literal["high", "low"] = "high"
-    group_proportions: list[list[float]] | None = None
-    # tabular sets: the sensitive attribute's one-hot columns are also model inputs
-    sensitive_feature: bool = True
-    # keyword arguments of a plugin data set's loader / a plugin partition
+    # the data set loader's / the partition's keywords (e.g. synthetic alpha, beta; dirichlet
+    # alpha; pathological classes_per_client; one_class_per_client classes; group_skew
+    # heterogeneity or group_proportions; tabular sensitive_feature)
     params: dict[str, Any] = Field(default_factory=dict)
     partition_params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest(cls, raw: Any) -> Any:
+        """Old flat keys into the nested tables; both tables validated by their entry."""
+        if not isinstance(raw, dict):
+            return raw
+        names = {k: raw.get(k, cls.model_fields[k].default) for k in ("dataset", "partition")}
+        return nest_params(raw, names["dataset"], names["partition"])
 
 
 class ModelConfig(_Section):
@@ -407,8 +411,8 @@ def _check_names(cfg: Config) -> None:
         raise ConfigError(f"server.algorithm: '{cfg.server.algorithm}': {exc}") from None
     d = cfg.data
     checks = (("model.name", "model", cfg.model.name, MODELS, MODEL_FACTORIES),
-              ("data.dataset", "data set", d.dataset, DATASETS, DATASET_LOADERS),
-              ("data.partition", "partition", d.partition, SPECIAL_PARTITIONS, PARTITIONERS))
+              ("data.dataset", "data set", d.dataset, (), DATASET_LOADERS),
+              ("data.partition", "partition", d.partition, (), PARTITIONERS))
     for key, kind, name, builtin, registry in checks:
         if name in builtin:
             continue
@@ -459,21 +463,16 @@ def _check_consistency(cfg: Config) -> None:
             f"server.clients_per_round: {s.clients_per_round} exceeds data.num_clients "
             f"({d.num_clients})"
         )
-    if (d.dataset == "synthetic") != (d.partition == "natural"):
-        raise ConfigError(
-            "data.partition: 'natural' goes with dataset 'synthetic' and only with it "
-            f"(got dataset '{d.dataset}', partition '{d.partition}')"
-        )
-    if d.partition == "one_class_per_client" and d.num_clients != len(d.classes):
-        raise ConfigError(
-            f"data.num_clients: one_class_per_client needs one client per class in data.classes "
-            f"({len(d.classes)}), got {d.num_clients}"
-        )
-    _check_tabular(d)
-    builtin_without_groups = d.dataset in DATASETS and d.dataset not in TABULAR
-    if rule.needs.num_groups and builtin_without_groups:
+    try:  # the data layer's rule, as load_federated applies it
+        check_combination(d.dataset, d.partition, d.partition_params, d.num_clients)
+    except IncompatibleData as exc:
+        raise ConfigError(f"{exc.key}: {exc}") from None
+    declared = provided(d.dataset)  # None: a plugin that declares nothing (checked once loaded)
+    without_groups = declared is not None and SENSITIVE not in declared
+    with_groups = ", ".join(providers(SENSITIVE))
+    if rule.needs.num_groups and without_groups:
         raise ConfigError(f"data.dataset: {s.algorithm}'s group-fairness constraints need a binary "
-                          f"task with a sensitive attribute ({', '.join(TABULAR)} or a plugin data "
+                          f"task with a sensitive attribute ({with_groups} or a plugin data "
                           f"set with one), got '{d.dataset}'")
     meta = s.meta or rule.needs.meta_step
     if s.shards > 1:
@@ -483,35 +482,9 @@ def _check_consistency(cfg: Config) -> None:
         if s.meta:
             raise ConfigError("server.shards: FedMeta's meta step (server.meta) trains the whole "
                               "model at one place; set server.shards = 1 or server.meta = false")
-    if meta and cfg.fedmeta.meta_sampling == "group_balanced" and builtin_without_groups:
+    if meta and cfg.fedmeta.meta_sampling == "group_balanced" and without_groups:
         raise ConfigError(f"fedmeta.meta_sampling: 'group_balanced' needs a dataset with a "
-                          f"sensitive attribute ({', '.join(TABULAR)}), got '{d.dataset}'")
+                          f"sensitive attribute ({with_groups}), got '{d.dataset}'")
     bad = [k for k in cfg.faults.nan_clients if not 0 <= k < d.num_clients]
     if bad:
         raise ConfigError(f"faults.nan_clients: ids {bad} are outside 0..{d.num_clients - 1}")
-
-
-def _check_tabular(d: DataConfig) -> None:
-    """Tabular data: not one_class_per_client; group_skew needs a tabular dataset and one share
-    per client in every proportion row."""
-    if d.partition == "one_class_per_client" and d.dataset in TABULAR:
-        raise ConfigError(f"data.partition: one_class_per_client is for the image datasets, "
-                          f"got dataset '{d.dataset}'")
-    if d.partition != "group_skew":
-        return
-    if d.dataset not in TABULAR:
-        raise ConfigError(f"data.partition: group_skew needs a dataset with a sensitive "
-                          f"attribute ({', '.join(TABULAR)}), got '{d.dataset}'")
-    if d.group_proportions is None:
-        if d.num_clients != 5:
-            raise ConfigError(f"data.num_clients: the group_skew '{d.heterogeneity}' preset "
-                              f"splits each group over 5 clients, got {d.num_clients}; set "
-                              f"data.group_proportions for another number of clients")
-        return
-    for a, row in enumerate(d.group_proportions):
-        if len(row) != d.num_clients:
-            raise ConfigError(f"data.group_proportions: group {a} has {len(row)} shares, "
-                              f"data.num_clients is {d.num_clients}")
-        if any(v < 0 for v in row) or abs(sum(row) - 1.0) > 1e-6:
-            raise ConfigError(f"data.group_proportions: group {a}'s shares must be >= 0 and "
-                              f"sum to 1 (got {row})")

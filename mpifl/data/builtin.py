@@ -1,0 +1,276 @@
+"""mpifl's own data sets and partitions, registered exactly as plugins are
+(:func:`mpifl.data.registry.register_dataset` / :func:`register_partition`), each with its
+``Params`` (the ``[data.params]`` / ``[data.partition_params]`` table) and the tags that say what
+goes with what (:mod:`mpifl.data.compat`).
+
+A ``Params`` class's ``legacy`` maps the old flat ``[data]`` keys it replaces (e.g.
+``dirichlet_alpha``) to its fields: the config still reads them (job files, sweeps that vary
+``data.dirichlet_alpha``, configs stored in results and checkpoints).
+
+Normalisation: (Fashion-)MNIST pixels / 255; CIFAR / 255 then per-channel standardisation with
+the pool's mean and std; ``one_class_per_client`` per-pixel ``(x - mean) / (std + 0.001)`` over
+the chosen classes' samples (raw 0..255 values), labels remapped to 0..len(classes)-1; synthetic
+features as drawn; tabular numerical columns standardised with the mean and std of the training
+pool (the union of the clients' train splits), one-hot columns as 0/1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, ClassVar, Literal
+
+import numpy as np
+from pydantic import Field
+
+from mpifl.core.errors import DataError
+from mpifl.core.params import Params
+from mpifl.data import partition as P
+from mpifl.data.cifar import load_cifar10_pool, load_cifar100_pool
+from mpifl.data.compat import IncompatibleData
+from mpifl.data.idx import load_idx_pool
+from mpifl.data.registry import (CLIENTS, LABELS, RAW, SENSITIVE, DataPool, NoParams, Partitioned,
+                                 register_dataset, register_partition)
+from mpifl.data.roots import find_dataset_dir
+from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
+from mpifl.data.synthetic import generate_synthetic
+from mpifl.data.tabular import TABULAR, load_tabular
+
+__all__ = ["DATASETS", "ONE_CLASS_DEFAULT", "ONE_CLASS_FRACTIONS", "PARTITIONS"]
+
+INT32_MAX = 2**31 - 1
+ONE_CLASS_DEFAULT = (0, 2, 6)  # Fashion-MNIST T-shirt, pullover, shirt (FedFV Table 3)
+ONE_CLASS_FRACTIONS = (0.8, 0.1)  # train, test; the remaining 10 % is validation (unused)
+
+
+# --------------------------------------------------------------------------- image data sets
+
+def _idx_images(folder) -> tuple[np.ndarray, np.ndarray]:
+    x, y = load_idx_pool(folder)
+    return x[:, None], y  # add the channel axis: (N, 1, 28, 28)
+
+
+#: name -> (classes, reader of (N, channels, H, W) uint8 and (N,) int64 labels, per-channel
+#: standardisation)
+IMAGES: dict[str, tuple[int, Callable, bool]] = {
+    "fashion_mnist": (10, _idx_images, False), "mnist": (10, _idx_images, False),
+    "cifar10": (10, load_cifar10_pool, True), "cifar100": (100, load_cifar100_pool, True)}
+
+
+def _scale(x: np.ndarray) -> np.ndarray:
+    """uint8 pixels to float32 in [0, 1]."""
+    return np.multiply(x, np.float32(1 / 255), dtype=np.float32)
+
+
+def _standardise_channels(x: np.ndarray) -> np.ndarray:
+    """In place: per channel, subtract the pool's mean and divide by its std (CIFAR)."""
+    for c in range(x.shape[1]):
+        mean = x[:, c].mean(dtype=np.float64)
+        std = x[:, c].std(dtype=np.float64)
+        x[:, c] -= np.float32(mean)
+        x[:, c] /= np.float32(std if std > 0 else 1.0)
+    return x
+
+
+def _image_loader(name: str) -> Callable[..., DataPool]:
+    classes, read, per_channel = IMAGES[name]
+
+    def load(*, seed: int, data_root: str | None = None) -> DataPool:
+        """The pooled train+test images: x (N, channels, H, W) float32 normalised, raw uint8."""
+        folder = find_dataset_dir(name, data_root)
+        raw, y = read(folder)
+        if len(y) and (y.min() < 0 or y.max() >= classes):
+            raise DataError(f"{folder}: labels outside 0..{classes - 1} (found {y.min()}.."
+                            f"{y.max()})")
+        x = _scale(raw)
+        if per_channel:
+            _standardise_channels(x)
+        return DataPool(x, y, classes, raw=raw)
+
+    load.__qualname__ = load.__name__ = f"load_{name}"
+    return load
+
+
+for _name in IMAGES:
+    register_dataset(_name, params=NoParams, provides=(LABELS, RAW))(_image_loader(_name))
+
+
+# --------------------------------------------------------------------------- synthetic, tabular
+
+class SyntheticParams(Params):
+    """Synthetic(alpha, beta) of FedProx (:mod:`mpifl.data.synthetic`)."""
+
+    legacy: ClassVar[dict[str, str]] = {"synthetic_alpha": "alpha", "synthetic_beta": "beta"}
+    # model heterogeneity: u_k ~ N(0, alpha); 0 = every client's model has mean 0
+    alpha: float = Field(1.0, ge=0.0)
+    # data heterogeneity: B_k ~ N(0, beta); 0 = every client's features have mean-0 centres
+    beta: float = Field(1.0, ge=0.0)
+
+
+@register_dataset("synthetic", params=SyntheticParams, provides=(LABELS, CLIENTS))
+def synthetic(*, seed: int, data_root: str | None = None, num_clients: int, alpha: float,
+              beta: float) -> DataPool:
+    """K clients' samples, x (N, 60) float32, grouped by client (``client_sizes``)."""
+    x, y, sizes = generate_synthetic(num_clients, seed, alpha, beta)
+    return DataPool(x, y, SYNTHETIC_CLASSES, client_sizes=sizes)
+
+
+class TabularParams(Params):
+    """Adult, COMPAS, German credit (:mod:`mpifl.data.tabular`)."""
+
+    legacy: ClassVar[dict[str, str]] = {"sensitive_feature": "sensitive_feature"}
+    # the sensitive attribute's one-hot columns are also model inputs (it is always in
+    # FederatedData.sensitive)
+    sensitive_feature: bool = True
+
+
+def _tabular_loader(name: str) -> Callable[..., DataPool]:
+    def load(*, seed: int, data_root: str | None = None, sensitive_feature: bool) -> DataPool:
+        """Every kept row: x (N, F) float32, numerical columns standardised after the split."""
+        pool = load_tabular(name, data_root, sensitive_feature=sensitive_feature)
+        return DataPool(pool.x, pool.y, 2, sensitive=pool.sensitive, standardise=pool.numeric)
+
+    load.__qualname__ = load.__name__ = f"load_{name}"
+    return load
+
+
+for _name in TABULAR:
+    register_dataset(_name, params=TabularParams, provides=(LABELS, SENSITIVE))(
+        _tabular_loader(_name))
+
+
+# --------------------------------------------------------------------------- partitions
+
+@register_partition("iid", params=NoParams)
+def iid(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """:func:`mpifl.data.partition.iid`."""
+    return P.iid(labels, num_clients, rng)
+
+
+@register_partition("shards", params=NoParams, needs=(LABELS,))
+def shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """:func:`mpifl.data.partition.shards`."""
+    return P.shards(labels, num_clients, rng)
+
+
+class PathologicalParams(Params):
+    legacy: ClassVar[dict[str, str]] = {"classes_per_client": "classes_per_client"}
+    # k classes per client (FedLF's Pat-k); the partition refuses more than the data set has
+    classes_per_client: int = Field(2, ge=1, le=INT32_MAX)
+
+
+@register_partition("pathological", params=PathologicalParams, needs=(LABELS,))
+def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+                 num_classes: int, classes_per_client: int) -> list[np.ndarray]:
+    """:func:`mpifl.data.partition.pathological`."""
+    return P.pathological(labels, num_clients, rng, classes_per_client, num_classes)
+
+
+class DirichletParams(Params):
+    legacy: ClassVar[dict[str, str]] = {"dirichlet_alpha": "alpha"}
+    # concentration of the per-class Dir(alpha) label shares; small = strong label skew
+    alpha: float = Field(0.5, gt=0.0)
+
+
+@register_partition("dirichlet", params=DirichletParams, needs=(LABELS,))
+def dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+              num_classes: int, alpha: float) -> list[np.ndarray]:
+    """:func:`mpifl.data.partition.dirichlet`."""
+    return P.dirichlet(labels, num_clients, rng, alpha, num_classes)
+
+
+class OneClassParams(Params):
+    legacy: ClassVar[dict[str, str]] = {"classes": "classes"}
+    # one class per client; the partition refuses classes the data set lacks
+    classes: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
+        default_factory=lambda: list(ONE_CLASS_DEFAULT), min_length=1)
+
+    def check_clients(self, num_clients: int) -> None:
+        """Raises IncompatibleData unless K = len(classes)."""
+        if num_clients != len(self.classes):
+            raise IncompatibleData("data.num_clients", f"one_class_per_client needs num_clients "
+                                   f"== len(classes) ({len(self.classes)}), got {num_clients}")
+
+
+@register_partition("one_class_per_client", params=OneClassParams, needs=(LABELS, RAW))
+def one_class_per_client(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+                         pool: DataPool, classes: list[int]) -> Partitioned:
+    """The chosen classes' samples only, relabelled 0..K-1, each pixel standardised over them
+    on raw values, split 80/10/10 (FedFV Table 3; :func:`mpifl.data.partition.
+    one_class_per_client`)."""
+    bad = [c for c in classes if not 0 <= c < pool.num_classes]
+    if bad:
+        raise DataError(f"one_class_per_client: classes {bad} are not in "
+                        f"0..{pool.num_classes - 1}")
+    parts = P.one_class_per_client(labels, num_clients, classes)
+    x = _standardise_pixels(pool.raw[np.concatenate(parts)])
+    y = np.repeat(np.arange(len(parts), dtype=np.int64), [len(p) for p in parts])
+    return Partitioned(P.natural([len(p) for p in parts]), DataPool(x, y, len(classes)),
+                       ONE_CLASS_FRACTIONS)
+
+
+def _standardise_pixels(raw: np.ndarray) -> np.ndarray:
+    """Per pixel ``(x - mean) / (std + 0.001)`` over the samples given, on raw 0..255 values.
+
+    As in the q-FFL / AFL preprocessing that FedFV's one-class experiment reuses
+    (ALGORITHMS.md §8).
+    """
+    xf = raw.astype(np.float32)
+    mean = xf.mean(axis=0, dtype=np.float64)
+    std = xf.std(axis=0, dtype=np.float64)
+    xf -= mean.astype(np.float32)
+    xf /= (std + 0.001).astype(np.float32)
+    return xf
+
+
+@register_partition("natural", params=NoParams, needs=(CLIENTS,))
+def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+            pool: DataPool) -> list[np.ndarray]:
+    """The data set's own clients (:func:`mpifl.data.partition.natural`)."""
+    return P.natural(pool.client_sizes)
+
+
+class GroupSkewParams(Params):
+    legacy: ClassVar[dict[str, str]] = {"heterogeneity": "heterogeneity",
+                                        "group_proportions": "group_proportions"}
+    # a preset of the mFairFL paper (5 clients, partition.GROUP_SKEW_PRESETS) ...
+    heterogeneity: Literal["high", "low"] = "high"
+    # ... or explicit shares, one row of K per sensitive group (replaces the preset)
+    group_proportions: list[list[float]] | None = None
+
+    def proportions(self) -> list[list[float]]:
+        """The shares used: the explicit ones, else the preset's."""
+        if self.group_proportions is not None:
+            return self.group_proportions
+        return [list(row) for row in P.GROUP_SKEW_PRESETS[self.heterogeneity]]
+
+    def check_clients(self, num_clients: int) -> None:
+        """Raises IncompatibleData unless every row has K shares >= 0 summing to 1."""
+        if self.group_proportions is None and num_clients != 5:
+            raise IncompatibleData("data.num_clients", f"the group_skew '{self.heterogeneity}' "
+                                   f"preset splits each group over 5 clients, got {num_clients} "
+                                   f"clients; set data.partition_params.group_proportions for "
+                                   f"another number of clients")
+        key = "data.partition_params.group_proportions"
+        for a, row in enumerate(self.proportions()):
+            if len(row) != num_clients:
+                raise IncompatibleData(key, f"group {a} has {len(row)} shares, data.num_clients "
+                                            f"is {num_clients}")
+            if any(v < 0 for v in row) or abs(sum(row) - 1.0) > 1e-6:
+                raise IncompatibleData(key, f"group {a}'s shares must be >= 0 and sum to 1 "
+                                            f"(got {row})")
+
+
+@register_partition("group_skew", params=GroupSkewParams, needs=(SENSITIVE,))
+def group_skew(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
+               sensitive: np.ndarray, heterogeneity: str,
+               group_proportions: list[list[float]] | None) -> list[np.ndarray]:
+    """Sensitive-group skew (mFairFL; :func:`mpifl.data.partition.group_skew`)."""
+    explicit = group_proportions
+    shares = P.GROUP_SKEW_PRESETS[heterogeneity] if explicit is None else explicit
+    return P.group_skew(sensitive, num_clients, rng, shares)
+
+
+#: The built-in names, in the order the docs list them (all registered above).
+DATASETS = (*IMAGES, "synthetic", *TABULAR)
+PARTITIONS = ("iid", "shards", "pathological", "dirichlet", "one_class_per_client", "natural",
+              "group_skew")
