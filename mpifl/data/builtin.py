@@ -17,6 +17,7 @@ pool (the union of the clients' train splits), one-hot columns as 0/1.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Annotated, ClassVar, Literal
 
 import numpy as np
@@ -28,11 +29,12 @@ from mpifl.data import partition as P
 from mpifl.data.cifar import load_cifar10_pool, load_cifar100_pool
 from mpifl.data.compat import IncompatibleData
 from mpifl.data.idx import load_idx_pool
-from mpifl.data.registry import (CLIENTS, LABELS, RAW, SENSITIVE, DataPool, NoParams, Partitioned,
-                                 register_dataset, register_partition)
+from mpifl.data.registry import (CLIENTS, LABELS, RAW, SENSITIVE, ClientSource, DataPool, NoParams,
+                                 Partitioned, register_dataset, register_partition)
 from mpifl.data.roots import find_dataset_dir
 from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
-from mpifl.data.synthetic import generate_synthetic
+from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
+from mpifl.data.synthetic import client_sizes, fill_client, generate_synthetic
 from mpifl.data.tabular import TABULAR, load_tabular
 
 __all__ = ["DATASETS", "ONE_CLASS_DEFAULT", "ONE_CLASS_FRACTIONS", "PARTITIONS"]
@@ -106,7 +108,17 @@ class SyntheticParams(Params):
     beta: float = Field(1.0, ge=0.0)
 
 
-@register_dataset("synthetic", params=SyntheticParams, provides=(LABELS, CLIENTS))
+def synthetic_clients(*, seed: int, data_root: str | None = None, num_clients: int,
+                      alpha: float, beta: float) -> ClientSource:
+    """Synthetic's K clients drawn one at a time (:func:`mpifl.data.lazy.load_population`):
+    the (K,) sizes now (O(K)), each client's samples when asked."""
+    return ClientSource(client_sizes(num_clients, seed), SYNTHETIC_CLASSES,
+                        (SYNTHETIC_FEATURES,),
+                        partial(fill_client, seed=seed, alpha=alpha, beta=beta))
+
+
+@register_dataset("synthetic", params=SyntheticParams, provides=(LABELS, CLIENTS),
+                  lazy=synthetic_clients)
 def synthetic(*, seed: int, data_root: str | None = None, num_clients: int, alpha: float,
               beta: float) -> DataPool:
     """K clients' samples, x (N, 60) float32, grouped by client (``client_sizes``)."""

@@ -19,10 +19,10 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from mpifl.core.errors import DataError
 from mpifl.core.registry import Registry
 from mpifl.data.registry import (CLIENTS, DATASET_LOADERS, LABELS, PARTITIONERS, RAW, SENSITIVE,
-                                 TAGS, DataPool, params_class)
+                                 TAGS, DataPool, lazy_factory, params_class)
 
 __all__ = ["IncompatibleData", "check_combination", "check_pool", "describe_params",
-           "nest_params", "provided", "providers", "resolve_params"]
+           "lazy_datasets", "nest_params", "provided", "providers", "resolve_params"]
 
 #: Old flat keys a partition plugin without ``Params`` received when its signature named them.
 PLUGIN_LEGACY = ("classes_per_client", "dirichlet_alpha")
@@ -57,6 +57,12 @@ def provided(dataset: str) -> frozenset[str] | None:
 def providers(tag: str) -> list[str]:
     """The registered data sets that declare ``tag``, sorted."""
     return [n for n in DATASET_LOADERS.available() if tag in (provided(n) or ())]
+
+
+def lazy_datasets() -> list[str]:
+    """The registered data sets that can be loaded lazily (they declare ``lazy=``), sorted."""
+    return [n for n in DATASET_LOADERS.available()
+            if lazy_factory(lookup(DATASET_LOADERS, n)) is not None]
 
 
 # --------------------------------------------------------------------------- parameters

@@ -19,6 +19,10 @@ one-line errors, defaults filled in; an entry without one gets its table as keyw
 unchecked. A data set declares what its pool ``provides`` and a partition what it ``needs``
 (:data:`LABELS`, :data:`SENSITIVE`, :data:`RAW`, :data:`CLIENTS`); :mod:`mpifl.data.compat`
 checks the pairs, for the config and :func:`mpifl.data.load_federated` alike.
+
+A data set whose clients can be drawn one at a time also declares ``lazy=``: a factory of the
+:class:`ClientSource` that :func:`mpifl.data.lazy.load_population` builds a lazy population
+from (K = 10^6 clients without holding their samples). Synthetic declares one.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ from mpifl.core.params import Params
 from mpifl.core.registry import Registry
 
 __all__ = ["CLIENTS", "DATASET_LOADERS", "LABELS", "NoParams", "PARTITIONERS", "RAW", "SENSITIVE",
-           "DataPool", "Partitioned", "call_partition", "params_class", "register_dataset",
-           "register_partition"]
+           "ClientSource", "DataPool", "Partitioned", "call_partition", "lazy_factory",
+           "params_class", "register_dataset", "register_partition"]
 
 #: What a data set's pool provides and a partition may need:
 LABELS = "labels"        # integer class labels (not regression targets)
@@ -149,6 +153,27 @@ class DataPool:
         return dict(raw=raw, client_sizes=sizes, standardise=cols)
 
 
+@dataclass(frozen=True)
+class ClientSource:
+    """A data set's clients, each drawn on demand: what a lazy data set's ``lazy=`` factory
+    returns (``(*, seed, data_root, num_clients, **params) -> ClientSource``, called like its
+    loader). Client k's samples must equal rows ``sum(sizes[:k]) : sum(sizes[:k+1])`` of the
+    pool its eager loader returns (the ``natural`` partition), bit for bit.
+
+    Attributes:
+        sizes: (K,) int64 samples per client n_k (>= 0).
+        num_classes: C >= 2 (labels are int64 in 0..C-1).
+        input_shape: one sample's shape, e.g. (60,).
+        fill: ``fill(k, x, y)`` writes client k's samples into x (n_k, *input_shape) float32
+            and y (n_k,) int64 (views of a larger buffer allowed).
+    """
+
+    sizes: np.ndarray
+    num_classes: int
+    input_shape: tuple[int, ...]
+    fill: Callable[[int, np.ndarray, np.ndarray], None]
+
+
 @dataclass
 class Partitioned:
     """What a partition returns when it does more than cut the pool.
@@ -188,7 +213,8 @@ def _tags(tags: Iterable[str], what: str) -> frozenset[str]:
 
 
 def register_dataset(name: str, *, params: type[Params] | None = None,
-                     provides: Iterable[str] | None = None):
+                     provides: Iterable[str] | None = None,
+                     lazy: Callable[..., ClientSource] | None = None):
     """Decorator: register a data set loader as ``data.dataset = "<name>"``.
 
     Args:
@@ -196,18 +222,26 @@ def register_dataset(name: str, *, params: type[Params] | None = None,
             through unchecked.
         provides: the :data:`TAGS` its pool has, checked against a partition's needs before
             anything is loaded; None: known only once loaded (from the pool).
+        lazy: the factory of its :class:`ClientSource` (same keywords as the loader, with
+            ``num_clients``) if its clients can be drawn one at a time; such a data set must
+            provide :data:`CLIENTS` (its lazy population is its own clients' split).
 
     Raises:
         ValueError: the name is taken by another loader, empty, or contains ':'; unknown tags.
         TypeError: ``params`` is not a :class:`mpifl.core.params.Params` subclass.
     """
     declared = None if provides is None else _tags(provides, f"data set {name!r}")
+    if lazy is not None and (not callable(lazy) or CLIENTS not in (declared or ())):
+        raise ValueError(f"data set {name!r}: lazy= must be a function and the data set must "
+                         f"declare provides=({CLIENTS!r}, ...)")
 
     def deco(fn):
         if params is not None:
             fn.Params = params
         if declared is not None:
             fn.provides = declared
+        if lazy is not None:
+            fn.lazy = lazy
         return DATASET_LOADERS.register(name)(fn)
 
     return deco
@@ -241,6 +275,11 @@ def register_partition(name: str, *, params: type[Params] | None = None,
 def params_class(entry: object) -> type[Params] | None:
     """The ``Params`` an entry declares, or None."""
     return getattr(entry, "Params", None)
+
+
+def lazy_factory(entry: object) -> Callable[..., ClientSource] | None:
+    """The :class:`ClientSource` factory a data set declares (``lazy=``), or None."""
+    return getattr(entry, "lazy", None)
 
 
 def call_partition(name: str, pool: DataPool, num_clients: int, rng: np.random.Generator,

@@ -55,6 +55,13 @@ METRICS = {
     "mc": "model-level conflicts: selected clients a round with u_k . step < 0 (all rounds)",
     "lc": "layer-level conflicts: (client, layer) pairs a round with u_k,l . step_l < 0",
     "rounds_to:X": "rounds until the mean accuracy first reaches X% (an evaluated round)",
+    # q-FFL's table (Li et al., ICLR 2020): tails of a tenth of the devices, spread as a variance
+    "worst10": "%, mean accuracy of the worst 10% of clients (max(1, floor(K/10)))",
+    "best10": "%, mean accuracy of the best 10% of clients (max(1, floor(K/10)))",
+    "var": "%^2, population variance of the clients' accuracies (in %)",
+    # FedProx's stability (Li et al., MLSys 2020): how much the global model's loss moves
+    "loss_osc": "%, mean |L_e+1 - L_e| / mean L over the second half of the evaluations, L the "
+                "global model's sample-weighted test loss over all clients",
 }
 REPRODUCED_PP, CLOSE_PP = 2.0, 5.0
 SEED_KEY = "run.seed"
@@ -141,10 +148,49 @@ def run_metric(res: dict[str, Any], metric: str, last: int) -> float:
     if metric.startswith("rounds_to:"):
         reached = np.flatnonzero(ev["mean"] >= _milestone(metric) / 100)
         return float(ev["round"][reached[0]] + 1) if reached.size else math.inf
+    if metric in CLIENT_METRICS:
+        return client_metric(res, metric, last)
     name = f"group/{metric}" if metric in ("dp", "eo", "ap") else metric
     if name not in ev:
         raise OutputError(f"the run did not record {metric}")
     return 100.0 * float(np.mean(ev[name][-max(1, last):]))
+
+
+#: Metrics computed from the per-client arrays (``/eval/client_accuracy``, ``client_loss``).
+CLIENT_METRICS = ("worst10", "best10", "var", "loss_osc")
+
+
+def client_metric(res: dict[str, Any], metric: str, last: int) -> float:
+    """A metric of :data:`CLIENT_METRICS` from a run's per-client evaluations, in the table's
+    units: ``worst10``/``best10``/``var`` for each of the last ``last`` evaluations (a tenth of
+    the K clients, at least one; the variance with ddof 0, in %^2), then averaged; ``loss_osc``
+    over the second half of all evaluations (at least two of them), in % of their mean loss.
+
+    Raises:
+        OutputError: the run did not record per-client figures, or ``loss_osc`` with fewer
+            than three evaluations (two in the second half).
+    """
+    ev = res["eval"]
+    name = "client_loss" if metric == "loss_osc" else "client_accuracy"
+    if name not in ev:
+        raise OutputError(f"the run did not record {name}, needed for {metric}")
+    if metric == "loss_osc":
+        n = np.asarray(res.get("clients", {}).get("num_test", []), dtype=np.float64)
+        loss = np.asarray(ev[name], dtype=np.float64)
+        if n.shape != loss.shape[1:] or n.sum() <= 0:
+            n = np.ones(loss.shape[1])
+        curve = loss @ n / n.sum()  # (E,) the sample-weighted loss over all clients
+        tail = curve[len(curve) // 2:]
+        if len(tail) < 2:
+            raise OutputError("loss_osc needs at least three evaluations")
+        return 100.0 * float(np.mean(np.abs(np.diff(tail))) / np.mean(tail))
+    acc = 100.0 * np.asarray(ev[name], dtype=np.float64)[-max(1, last):]  # (e, K) in %
+    if metric == "var":
+        return float(np.mean(np.var(acc, axis=1)))
+    tenth = max(1, acc.shape[1] // 10)
+    ordered = np.sort(acc, axis=1)
+    part = ordered[:, :tenth] if metric == "worst10" else ordered[:, -tenth:]
+    return float(np.mean(part))
 
 
 @dataclass
