@@ -9,6 +9,12 @@ on m x m numbers; ``g = (1/m) 1^T (I - C) U`` is one GEMV back in d dimensions. 
 O(m^2 d) in the GEMM and O((m + tau m) d) elsewhere; :class:`~mpifl.aggregators.fedfv_direct.
 DirectFedFV` is the per-pair loop it is tested against.
 
+The m x m recursion is O(m^3): from :data:`~mpifl.aggregators.fedfv_batched.BATCHED_MIN_CLIENTS`
+clients per round it runs as a blocked triangular solve (:mod:`mpifl.aggregators.fedfv_batched`,
+GEMMs instead of one GEMV per target, equal to the loop up to rounding), and a sharded server
+splits its rows over the shards (each solves ``m / P`` clients' coefficients, one allsum of their
+(m,) column sums); smaller rounds keep the GEMV loop :func:`internal_coefficients`, unchanged.
+
 Defaults: ``alpha=0.1, tau=1`` as in the authors' FLGo code; the kept-clients count and the
 history window follow ALGORITHMS.md §3 (the paper's window by default, FLGo's as
 ``external_window="flgo"``).
@@ -26,6 +32,7 @@ from pydantic import Field
 
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
+from mpifl.aggregators.fedfv_batched import BATCHED_MIN_CLIENTS, coefficient_column_sums, row_block
 from mpifl.aggregators.history import HistoryRing
 from mpifl.aggregators.needs import BenchSpec, Needs, Shards, StateRows
 from mpifl.core.params import Params
@@ -171,8 +178,7 @@ class FedFV(Aggregator):
         # the only O(m^2 d) work; the m x m recursion then runs in float64 on the CPU (O(m^3),
         # no kernel launch per target), so reordering the sums costs no accuracy
         G = r.gram(U)                                # summed over shards when sharded
-        C = internal_coefficients(G, po, kept)
-        a = (1.0 - C.sum(axis=0)) / m                # g = (1/m) 1^T (I - C) U
+        a = (1.0 - self.coefficient_sums(G, po, kept, r)) / m   # g = (1/m) 1^T (I - C) U
         g = torch.as_tensor(a, dtype=U.dtype, device=U.device) @ U
         self._ring.supersede(r.client_ids)           # history takes the current round first
         g = self._external(g, r)
@@ -214,6 +220,32 @@ class FedFV(Aggregator):
     def __repr__(self) -> str:
         return (f"FedFV(alpha={self.alpha}, tau={self.tau}, order={self.order!r}, "
                 f"external_window={self.external_window!r}, seed={self.seed})")
+
+    # ---- internal conflicts -------------------------------------------------------------------
+
+    #: clients per round from which the recursion is the blocked solve; a class attribute, not a
+    #: hyper-parameter (same result up to rounding): tests and benchmarks set it per instance
+    batched_from: int = BATCHED_MIN_CLIENTS
+
+    def coefficient_sums(self, G: np.ndarray, po: np.ndarray, kept: np.ndarray,
+                         r: RoundUpdates) -> np.ndarray:
+        """(m,) float64 column sums of Algorithm 2's coefficients C (:func:`internal_coefficients`)
+        for the round ``r`` (only its ``shards`` is used): ``g = (1/m) (1 - sums) U``.
+
+        Small rounds: the GEMV loop, every shard alone (bit-identical to earlier versions).
+        Large ones: :func:`~mpifl.aggregators.fedfv_batched.coefficient_column_sums`, each shard
+        solving its :func:`~mpifl.aggregators.fedfv_batched.row_block` of the free clients, and
+        one allsum of the partial sums (identical on every shard, so they decide alike).
+        """
+        m = len(po)
+        if m < self.batched_from:
+            return internal_coefficients(G, po, kept).sum(axis=0)
+        n_free = m - int(kept.sum())
+        if not kept[po[n_free:]].all():             # the blocked solve relies on it
+            raise ValueError("fedfv: the kept clients must be the last positions of the order")
+        shards, index = (1, 0) if r.shards is None else (r.shards.size, r.shards.index)
+        part = coefficient_column_sums(G, po, n_free, *row_block(n_free, shards, index))
+        return part if shards == 1 else r.total(part)
 
     # ---- history ----------------------------------------------------------------------------
 

@@ -25,6 +25,10 @@ HDF5 layout (no pickled objects; every dataset is 1-D with one entry per timed c
         ratio, max_abs_diff  float64 only in groups that have a baseline (fedfv, fedfv_direct)
 
 FedFV's Gram form is the group ``fedfv``; the direct oracle beside it is ``fedfv_direct``.
+
+FedFV's m x m projection recursion alone, the GEMV loop against the blocked solve on the same
+Gram matrix (and split over shard ranks under mpiexec), is :func:`bench_fedfv_recursion`:
+``python -m mpifl.bench.aggregation --m 1000,2000 --threads 1`` (``--help``).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from threadpoolctl import threadpool_limits
 from tqdm.auto import tqdm
 
 from mpifl.aggregators import BenchInputs, ObservesParams, RoundUpdates, available, rule
+from mpifl.aggregators.fedfv_batched import po_coefficients, row_block
 from mpifl.core.registry import import_object
 
 COLUMNS = ("algorithm", "form", "m", "d", "tau", "median_s", "min_s", "max_s", "iqr_s", "bytes",
@@ -552,3 +557,161 @@ def _row(base: dict, form: str, times: list[float], ratio, diff) -> dict:
                max_s=max(times), iqr_s=_iqr(times), ratio=ratio, max_abs_diff=diff)
     return {k: row[k] for k in COLUMNS}
 
+
+
+# ---- FedFV's projection recursion alone: the GEMV loop against the blocked solve --------------
+
+RECURSION_COLUMNS = ("m", "conflicts", "density", "shards", "rows", "loop_s", "blocked_s",
+                     "blocked_max_s", "ratio", "max_rel_diff")
+
+
+def fedfv_recursion_inputs(m: int, d: int, conflicts: str, seed: int = 0):
+    """The m x m inputs of FedFV's recursion (same on every rank): ``(G, po, kept)``.
+
+    ``conflicts="few"``: the updates of :func:`bench_aggregation` (8 shared directions plus
+    noise; 1-2% of the coefficients are non-zero). ``"many"``: independent Gaussian updates
+    (about half of them are). ``G`` (m, m) float64 is the rule's Gram matrix of the (m, d)
+    float32 updates, ``po`` the loss order, ``kept`` FedFV's default alpha = 0.1.
+
+    Raises:
+        ValueError: ``conflicts`` is neither.
+    """
+    from mpifl.aggregators.fedfv import num_kept, projection_order
+    from mpifl.aggregators.gram import gram
+
+    if conflicts == "few":
+        base = _Inputs(m, d, 0, torch.device("cpu"), seed).base[0]
+        U, losses = base["updates"], base["losses"].numpy()
+    elif conflicts == "many":
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, m, d, 1])
+                                                .generate_state(1)[0]))
+        U, losses = torch.randn(m, d, generator=gen), torch.rand(m, generator=gen).numpy()
+    else:
+        raise ValueError(f"conflicts must be 'few' or 'many', got {conflicts!r}")
+    po = projection_order(np.arange(m), losses, "loss", seed, 0)
+    kept = np.zeros(m, dtype=bool)
+    kept[po[m - num_kept(m, 0.1):]] = True
+    return gram(U), po, kept
+
+
+def bench_fedfv_recursion(ms: Sequence[int], d: int = 1000,
+                          conflicts: Sequence[str] = ("few", "many"), *, repeats: int = 3,
+                          seed: int = 0, threads: int | None = None, group=None) -> list[dict]:
+    """Time FedFV's m x m projection recursion both ways on the same Gram matrix: the GEMV loop
+    (:func:`mpifl.aggregators.fedfv.internal_coefficients`, what every shard ran before) and
+    the blocked solve the rule now picks from ``BATCHED_MIN_CLIENTS`` clients
+    (:mod:`mpifl.aggregators.fedfv_batched`), both through ``FedFV.coefficient_sums``.
+
+    Args:
+        ms: clients per round. d: the synthetic updates' width (the Gram product is not
+            timed). conflicts: input kinds of :func:`fedfv_recursion_inputs`.
+        repeats: timed calls of each (median). threads: torch and BLAS threads.
+        group: a :class:`~mpifl.aggregators.shards.ShardGroup` of P > 1 shards (every rank
+            calls this with the same arguments): each shard times the loop on all rows and the
+            blocked solve on its block of rows plus the allsum of the column sums.
+
+    Returns:
+        One dict per (m, conflicts) with keys :data:`RECURSION_COLUMNS`: ``density`` the
+        share of non-zero coefficients, ``rows`` the free rows this rank solved, ``loop_s`` and
+        ``blocked_s`` this rank's medians, ``blocked_max_s`` the slowest shard's, ``ratio`` =
+        loop_s / blocked_max_s, ``max_rel_diff`` = max |a_blocked - a_loop| / max |a_loop| of
+        the coefficient sums.
+    """
+    from mpifl.aggregators.fedfv import FedFV
+
+    loop, blocked = FedFV(), FedFV()
+    loop.batched_from, blocked.batched_from = 2**62, 1
+    P = 1 if group is None else group.size
+    rows = []
+    with torch_threads(threads):
+        for m in ms:
+            for kind in conflicts:
+                G, po, kept = fedfv_recursion_inputs(int(m), d, kind, seed)
+                r = RoundUpdates(0, np.arange(m), torch.zeros(m, 1), np.ones(m),
+                                 np.ones(m, dtype=np.int64), 0.1, shards=group)
+                t_loop, a_loop = _time_call(lambda: loop.coefficient_sums(G, po, kept, r), repeats)
+                t_new, a_new = _time_call(lambda: blocked.coefficient_sums(G, po, kept, r),
+                                          repeats)
+                mine = np.zeros(P)
+                mine[0 if group is None else group.index] = t_new
+                slowest = float((mine if group is None else group.allsum(mine)).max())
+                n_free = m - int(kept.sum())
+                lo, hi = (0, n_free) if group is None else row_block(n_free, P, group.index)
+                rows.append(dict(
+                    m=int(m), conflicts=kind, density=_density(G, po, n_free), shards=P,
+                    rows=hi - lo, loop_s=t_loop, blocked_s=t_new, blocked_max_s=slowest,
+                    ratio=t_loop / slowest,
+                    max_rel_diff=float(np.abs(a_new - a_loop).max() / np.abs(a_loop).max())))
+    return rows
+
+
+def format_recursion(rows: Sequence[dict]) -> str:
+    """The rows of :func:`bench_fedfv_recursion` as a text table."""
+    fmt = {"density": "{:.3f}", "loop_s": "{:.4g}", "blocked_s": "{:.4g}",
+           "blocked_max_s": "{:.4g}", "ratio": "{:.3g}", "max_rel_diff": "{:.1e}"}
+    cells = [[fmt.get(k, "{}").format(r[k]) for k in RECURSION_COLUMNS] for r in rows]
+    return aligned(RECURSION_COLUMNS, cells, left={"conflicts"})
+
+
+def _time_call(fn: Callable[[], np.ndarray], repeats: int) -> tuple[float, np.ndarray]:
+    """Median seconds of ``repeats`` calls of ``fn`` and its last result."""
+    times = []
+    for _ in range(max(int(repeats), 1)):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def _density(G: np.ndarray, po: np.ndarray, n_free: int) -> float:
+    """Share of non-zero coefficients (solved again untimed, by the blocked form)."""
+    C = po_coefficients(np.take(np.take(G, po, axis=0), po, axis=1), n_free)
+    return float(np.count_nonzero(C) / max(C.size, 1))
+
+
+def recursion_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m mpifl.bench.aggregation [--m 1000,2000] [--conflicts few,many] ...``, or
+    under ``mpiexec -n P ... --shards P``: :func:`bench_fedfv_recursion`'s table (or JSON) on
+    rank 0, with the machine's load before and after."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m mpifl.bench.aggregation",
+                                 description="FedFV's projection recursion: loop vs blocked")
+    ints = lambda s: [int(x) for x in s.split(",")]            # noqa: E731
+    ap.add_argument("--m", type=ints, default=[1000, 2000])
+    ap.add_argument("--d", type=int, default=1000)
+    ap.add_argument("--conflicts", type=lambda s: s.split(","), default=["few", "many"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=1, help="under mpiexec -n P: P shards")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    group = None
+    if args.shards > 1:
+        from mpifl.aggregators.shards import ShardGroup
+        from mpifl.runtime.comm import world
+        from mpifl.runtime.shard_comm import MPIShardCollectives
+
+        comm = world()
+        if comm is None or comm.Get_size() != args.shards:
+            raise SystemExit(f"--shards {args.shards}: start with mpiexec -n {args.shards}")
+        group = ShardGroup(MPIShardCollectives(comm), 1)
+    machine = machine_info("cpu")
+    rows = bench_fedfv_recursion(args.m, args.d, args.conflicts, repeats=args.repeats,
+                                 seed=args.seed, threads=args.threads, group=group)
+    machine["loadavg_end"] = _loadavg()
+    if group is not None and group.index != 0:
+        return 0
+    if args.json:
+        print(json.dumps({"benchmark": "fedfv-recursion", "machine": machine, "rows": rows}))
+    else:
+        print(format_recursion(rows))
+        print(f"machine: {machine['cpu_model']}, {args.threads or machine['torch_threads']} "
+              f"threads, load average {machine['loadavg_start']} -> {machine['loadavg_end']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(recursion_main())

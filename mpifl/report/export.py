@@ -36,7 +36,11 @@ def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
             raise OutputError("--parquet needs pyarrow: pip install 'mpifl[parquet]' "
                               "(or use --csv)") from None
     source = runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs
-    frames = tables(load(source))
+    ds = load(source)  # a large run lazily: its per-client arrays are read by tables()
+    try:
+        frames = tables(ds)
+    finally:
+        ds.close()  # the files a lazy load keeps open
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -19,59 +19,308 @@ dimension             coordinate values          what is along it
 Runs of different lengths are padded (NaN; -1 for ``selected``, False for ``aggregated``).
 Accuracies, their ``std`` and the fairness violations are fractions in [0, 1] whatever the
 file's schema version (percentage points appear only in printed reports).
+
+**Lazy loading** (``lazy=True``, and by default when a run's per-client arrays hold at least
+:data:`LAZY_MIN_BYTES`): the per-client variables (``accuracy``, ``loss``, the personal and
+adapted ones, ``num_train``, ``num_test``, ``label_counts``) are not read. They are dask
+arrays when dask is installed (``pip install 'mpifl[dask]'``; chunks of
+:data:`DASK_CLIENT_CHUNK` clients, one evaluation and one run), otherwise xarray's lazily
+indexed arrays; either way an index reads only the HDF5 chunks it touches (an evaluation row,
+a client's column) through :class:`_Stacked`. The results files stay open until
+``ds.close()`` (or ``with mpifl.load(...) as ds:``). The rounds table and the summaries are
+read as before.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from mpifl.core.errors import OutputError
-from mpifl.store.results import DamagedResults, read_many
+from mpifl.store.results import CHUNK_ELEMENTS, DamagedResults, LazyArray, read_many
 from mpifl.store.sweep_index import INDEX, read_index
 
 #: ``xarray.concat`` fill values of variables that are not floats (padding of shorter runs).
 _FILL = {"selected": -1, "aggregated": False}
 
+#: ``lazy="auto"`` loads lazily when one run's per-client arrays hold at least this many bytes
+#: (below it, reading them costs less than a second and a few tens of MiB).
+LAZY_MIN_BYTES = 1 << 25
+#: Clients per dask chunk of a lazy per-client variable: 8 HDF5 chunks (2 MiB of float64).
+DASK_CLIENT_CHUNK = 8 * CHUNK_ELEMENTS
+#: A lazy read holds at most about this many elements of one run's array at once.
+_READ_BUDGET = 1 << 23
+#: Contiguous runs of indices read one by one up to this many; more: their bounding range.
+_MAX_RUNS = 32
 
-def load(source: str | Path | Iterable[str | Path]):
+
+def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
     """Read runs into one ``xarray.Dataset`` (layout in the module docstring).
 
     Args:
         source: a results file (``.h5``), a sweep folder (holding ``index.json``; runs without
             a results file yet are left out), or a list of results files.
+        lazy: ``True``: the per-client variables stay in the files and are read where they are
+            indexed (dask arrays with dask installed, else xarray's lazily indexed arrays);
+            ``False``: everything is read into memory; ``"auto"``: lazy when one run's
+            per-client arrays hold at least :data:`LAZY_MIN_BYTES` (32 MiB: K = 200,000
+            clients and 10 evaluations), else read.
 
     Returns:
         ``xarray.Dataset`` with dims ``run``, ``round``, ``eval_round``, ``client``, ``slot``
-        and ``label``; accuracies float64 fractions, counts int64.
+        and ``label``; accuracies float64 fractions, counts int64 (float64 where runs of
+        different K or C are padded with NaN). Lazy: close it (``ds.close()``, or use it in a
+        ``with`` block) to close the files.
 
     Raises:
         DamagedResults: results files that cannot be read (damaged, truncated, empty, not
             HDF5, foreign or missing), every one named with its reason.
-        OutputError: a path that is neither a results file nor a sweep folder, or no run to
-            load.
+        OutputError: a path that is neither a results file nor a sweep folder, no run to
+            load, or a ``lazy`` that is not True, False or "auto".
     """
     import xarray as xr
 
+    if lazy not in (True, False, "auto"):
+        raise OutputError(f"lazy={lazy!r}: expected True, False or 'auto'")
     runs = _sources(source)
     if not runs:
         raise OutputError(f"{source}: no results to load")
-    good, damaged = read_many(path for _, path, _ in runs)
+    good, damaged = read_many((path for _, path, _ in runs), lazy=lazy is not False)
     if damaged:  # every file is needed: name all that cannot be read, in one line
+        for res in good:
+            res.get("close", lambda: None)()
         raise DamagedResults(damaged)
+    if lazy == "auto" and max(map(_per_client_bytes, good)) < LAZY_MIN_BYTES:
+        for res in good:
+            res["close"]()
+        good, damaged = read_many(path for _, path, _ in runs)  # small: read as always
+        if damaged:
+            raise DamagedResults(damaged)
     results = [(rid, res, params) for (rid, _, params), res in zip(runs, good)]
     # a key swept for some runs only (uga.eta_g in a grid with FedAvg) is a coordinate of all
     varying = sorted(set(_varying_keys([r["config"] for _, r, _ in results]))
                      .union(*(params for _, _, params in results)))
-    parts = [_run_dataset(rid, res, params, varying) for rid, res, params in results]
-    ds = xr.concat(parts, dim="run", join="outer", fill_value=_fill_values(parts),
-                   combine_attrs="drop_conflicts", coords="different", compat="equals")
+    try:
+        lazies = [_take_lazy(res) for _, res, _ in results]
+        parts = [_run_dataset(rid, res, params, varying) for rid, res, params in results]
+        ds = xr.concat(parts, dim="run", join="outer", fill_value=_fill_values(parts),
+                       combine_attrs="drop_conflicts", coords="different", compat="equals")
+        if any(lazies):
+            ds = _add_lazy(ds, lazies)
+    except BaseException:
+        for res in good:
+            res.get("close", lambda: None)()
+        raise
+    if "close" in good[0]:
+        closers = [res["close"] for res in good]
+        ds.set_close(lambda: [close() for close in closers])
     ds.attrs.update(units="accuracies, std, cf, dp/eo/ap: fractions in [0, 1]; fair_angle: "
                           "radians; time_*: seconds; peak_rss_*: MiB", schema="docs/RESULTS.md")
     return ds
+
+
+def _per_client_bytes(res: dict[str, Any]) -> int:
+    """Bytes of a run's per-client arrays (what a lazy load leaves in the file)."""
+    return sum(v.nbytes for group in ("eval", "clients") for v in res[group].values()
+               if isinstance(v, LazyArray))
+
+
+def _take_lazy(res: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], Any, dict]]:
+    """Remove a run's lazy arrays from ``res``; put in their place the coordinates their
+    dimensions need. Returns {variable name: (dims without run, LazyArray, {dim: coordinate
+    values})}."""
+    out = {}
+    ev_round = np.asarray(res["eval"]["round"])
+    for group in ("eval", "clients"):
+        for name in [k for k, v in res[group].items() if isinstance(v, LazyArray)]:
+            a = res[group].pop(name)
+            if group == "eval":
+                dims = ("eval_round", "client")
+                out[name.replace("/", "_").replace("client_", "")] = (
+                    dims, a, {"eval_round": ev_round, "client": np.arange(a.shape[1])})
+            else:
+                dims = ("client",) if a.ndim == 1 else ("client", "label")
+                out[name] = (dims, a, {d: np.arange(n) for d, n in zip(dims, a.shape)})
+    sizes: dict[str, int] = {}
+    for dims, a, _ in out.values():
+        for d, n in zip(dims, a.shape):
+            if d != "eval_round":
+                sizes[d] = max(sizes.get(d, 0), n)
+    res["_dims"] = sizes  # client / label coordinates of the run, for alignment
+    return out
+
+
+def _add_lazy(ds, lazies: list[dict[str, tuple]]):
+    """``ds`` with each run's lazy arrays added as lazy (run, ...) variables aligned on ds's
+    eval_round, client and label coordinates (positions a run lacks: padding)."""
+    import xarray as xr
+
+    names = list(dict.fromkeys(n for lz in lazies for n in lz))
+    for name in names:
+        dims = next(lz[name][0] for lz in lazies if name in lz)
+        sources, maps = [], []
+        for lz in lazies:
+            if name not in lz:
+                sources.append(None)
+                maps.append(None)
+                continue
+            _, a, coords = lz[name]
+            sources.append(a)
+            maps.append([_positions(np.asarray(coords[d]), np.asarray(ds[d].values))
+                         for d in dims])
+        shape = (ds.sizes["run"], *(ds.sizes[d] for d in dims))
+        stack = _Stacked(sources, maps, shape, name)
+        ds[name] = xr.Variable(("run", *dims), _lazy_data(stack, dims))
+    return ds
+
+
+def _positions(own: np.ndarray, union: np.ndarray) -> np.ndarray | None:
+    """For each value of ``union``, its index in ``own`` (unique values; -1: absent); None
+    when they are the same values (the usual case: no map is kept)."""
+    import pandas as pd
+
+    if own.shape == union.shape and np.array_equal(own, union):
+        return None
+    return pd.Index(own).get_indexer(union).astype(np.intp)
+
+
+def _lazy_data(stack: "_Stacked", dims: tuple[str, ...]):
+    """The stack as a dask array (dask installed) or an xarray lazily indexed array."""
+    try:
+        import dask.array as da
+    except ImportError:
+        from xarray.backends import BackendArray
+        from xarray.core import indexing
+
+        class _Backend(BackendArray):
+            def __init__(self, s: _Stacked) -> None:
+                self.s, self.shape, self.dtype = s, s.shape, s.dtype
+
+            def __getitem__(self, key):
+                return indexing.explicit_indexing_adapter(
+                    key, self.shape, indexing.IndexingSupport.OUTER, self.s.__getitem__)
+
+        return indexing.LazilyIndexedArray(_Backend(stack))
+    chunks = (1, *(1 if d == "eval_round" else DASK_CLIENT_CHUNK if d == "client" else -1
+                   for d in dims))
+    return da.from_array(stack, chunks=chunks, name=f"mpifl-{stack.name}-{uuid.uuid4().hex}",
+                         lock=True, meta=np.empty((0,) * len(stack.shape), dtype=stack.dtype))
+
+
+class _Stacked:
+    """One per-client variable of every run, as a (run, ...) array read on indexing.
+
+    Run r's values come from ``sources[r]`` (a :class:`LazyArray`, or None: the run lacks the
+    variable), and ``maps[r][axis]`` gives, for each position along that axis of the aligned
+    dataset (eval_round, client, label), the run's own index (-1: padding, NaN or the
+    variable's fill). Indexing takes ints, slices and integer or boolean arrays per axis
+    (outer indexing, as xarray and dask ask) and reads only the chunks it needs.
+    """
+
+    def __init__(self, sources: list, maps: list, shape: tuple[int, ...], name: str) -> None:
+        self.sources, self.maps, self.shape, self.name = sources, maps, shape, name
+        self.ndim = len(shape)
+        dtype = np.result_type(*(s.dtype for s in sources if s is not None))
+        padded = any(s is None or any(m is not None and (m < 0).any() for m in mp)
+                     for s, mp in zip(sources, maps))
+        self.fill = _FILL.get(name, np.nan)
+        if padded and dtype.kind in "iub" and isinstance(self.fill, float):
+            dtype = np.dtype(np.float64)  # as xarray.concat pads integers with NaN
+        elif not padded and dtype.kind != "f":
+            self.fill = 0  # never shown: nothing is padded
+        self.dtype = dtype
+
+    def __getitem__(self, key) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (self.ndim - len(key))
+        sel, squeeze = [], []
+        for axis, (k, n) in enumerate(zip(key, self.shape)):
+            if isinstance(k, (int, np.integer)):
+                i = int(np.arange(n)[k])  # IndexError out of range, as numpy
+                sel.append(slice(i, i + 1))
+                squeeze.append(axis)
+            elif isinstance(k, slice) and k.indices(n)[2] == 1:
+                lo, hi, _ = k.indices(n)
+                sel.append(slice(lo, max(lo, hi)))
+            else:
+                sel.append(np.arange(n)[k].astype(np.intp).reshape(-1))
+        out = np.full([_length(s) for s in sel], self.fill, dtype=self.dtype)
+        for at, r in enumerate(np.arange(self.shape[0])[sel[0]]):
+            if self.sources[r] is None:
+                continue
+            local, dest = [], []
+            for s, m in zip(sel[1:], self.maps[r]):
+                if m is None:  # the run's own positions: the selection as it is
+                    local.append(s)
+                    dest.append(slice(0, _length(s)))
+                    continue
+                want = m[s]
+                keep = np.flatnonzero(want >= 0)
+                local.append(want[keep])
+                dest.append(keep)
+            if any(_length(x) == 0 for x in local):
+                continue
+            out[at][_outer(dest)] = _read_outer(self.sources[r], local)
+        return out[tuple(0 if axis in squeeze else slice(None) for axis in range(self.ndim))]
+
+
+def _length(s) -> int:
+    return s.stop - s.start if isinstance(s, slice) else len(s)
+
+
+def _outer(index: list) -> tuple:
+    """A numpy index taking the outer product of per-axis slices and integer arrays."""
+    if sum(not isinstance(i, slice) for i in index) <= 1:
+        return tuple(index)
+    return np.ix_(*(np.arange(i.start, i.stop) if isinstance(i, slice) else i for i in index))
+
+
+def _read_outer(src, index: list) -> np.ndarray:
+    """``src`` at the outer product of ``index`` (per axis: a slice with step 1, or integer
+    positions in any order) for a 1-D or 2-D h5py-like ``src``, reading by slices only: a
+    slice as it is; positions as the contiguous runs of their sorted unique values (their
+    bounding range when there are more than :data:`_MAX_RUNS`), along the first axis in blocks
+    of rows that keep a bounding read under :data:`_READ_BUDGET` elements."""
+    if all(isinstance(i, slice) for i in index):
+        return src[tuple(index)]
+    pieces, finals, sizes = [], [], []  # per axis: [(lo, hi, take, dest)]
+    for i in index:
+        if isinstance(i, slice):
+            pieces.append([(i.start, i.stop, slice(0, i.stop - i.start),
+                            slice(0, i.stop - i.start))])
+            finals.append(slice(0, i.stop - i.start))
+            sizes.append(i.stop - i.start)
+            continue
+        u, inv = np.unique(i, return_inverse=True)
+        cuts = np.flatnonzero(np.diff(u) != 1) + 1
+        groups = np.split(np.arange(len(u)), cuts) if len(cuts) < _MAX_RUNS else [
+            np.arange(len(u))]
+        pieces.append([(int(u[g[0]]), int(u[g[-1]]) + 1, u[g] - u[g[0]], g) for g in groups])
+        finals.append(inv.reshape(-1))
+        sizes.append(len(u))
+    width = max((hi - lo for lo, hi, _, _ in pieces[1]), default=1) if len(pieces) > 1 else 1
+    rows_per = max(1, _READ_BUDGET // max(1, width))
+    first = []
+    for lo, hi, take, dest in pieces[0]:  # long row ranges in blocks: a read stays in budget
+        at = np.arange(lo, hi)[take] if not isinstance(take, slice) else None
+        for a in range(lo, hi, rows_per):
+            b = min(hi, a + rows_per)
+            if at is None:
+                first.append((a, b, slice(0, b - a), slice(dest.start + a - lo,
+                                                           dest.start + b - lo)))
+            elif (inside := (at >= a) & (at < b)).any():
+                first.append((a, b, at[inside] - a, dest[inside]))
+    pieces[0] = first
+    out = np.empty(sizes, dtype=src.dtype)
+    for combo in itertools.product(*pieces):
+        part = src[tuple(slice(lo, hi) for lo, hi, _, _ in combo)]
+        out[_outer([d for _, _, _, d in combo])] = part[_outer([t for _, _, t, _ in combo])]
+    return out[_outer(finals)] if any(not isinstance(f, slice) for f in finals) else out
 
 
 def tables(ds) -> dict[str, Any]:
@@ -156,6 +405,8 @@ def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying:
     for name, values in res.get("clients", {}).items():
         dims = ("client",) if values.ndim == 1 else ("client", "label")
         data[name] = (("run", *dims), values[None])
+    for d, n in res.get("_dims", {}).items():  # the lazy arrays' dimensions (added later)
+        coords[d] = np.arange(n)
     ds = xr.Dataset(data, coords=coords)
     return ds.assign_coords({d: np.arange(ds.sizes[d]) for d in ("client", "slot", "label", "layer")
                              if d in ds.dims})

@@ -15,7 +15,10 @@ Layout of a checkpoint::
                                round (rounds completed = next round to run), world_size, digest
     /model/global       (d,) float32 global parameters after ``round`` rounds
     /aggregator/<key>   the aggregator's ``state_dict()``: arrays as datasets, scalars as attrs
-    /history/...        the metric history so far (see :class:`mpifl.store.MetricHistory`)
+    /history/...        the metric history so far (see :class:`mpifl.store.MetricHistory`); its
+                        datasets of 64 KiB or more (the (E, K) per-client evaluations) chunked
+                        and deflate-compressed as in results files (docs/RESULTS.md, "Storage"):
+                        storage only, the values (and ``digest``, taken over them) are the same
 
 Workers hold no state between rounds (every random draw is keyed by seed, round and client),
 so rank 0's checkpoint is the whole state of the job, except on a sharded server

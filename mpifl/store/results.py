@@ -40,13 +40,25 @@ The file is rewritten atomically (temporary file, SHA-256 seal, rename) after ev
 checkpoint and at least every FLUSH_SECONDS, so a run that dies or hits a full disk keeps its
 evaluations and the file is never half-written.
 Nothing is pickled: the config is a JSON text attribute and everything else is a plain dataset.
+
+Storage (docs/RESULTS.md, "Storage"): every dataset of at least :data:`COMPRESS_MIN_BYTES` (the
+per-client arrays of a large population, /rounds/selected of many clients per round) is chunked
+(:func:`chunk_shape`: one evaluation row is whole chunks, a client's column one chunk per
+evaluation) and compressed with HDF5's built-in deflate (gzip, level :data:`GZIP_LEVEL`), with
+the shuffle filter except for accuracies (fractions k/n: plain deflate is 3x smaller on them).
+Smaller datasets stay contiguous, as in every file before. Names, shapes and dtypes are the same
+either way: any HDF5 reader (h5py, h5dump, R, MATLAB) reads both. The compressed chunks of
+evaluation rows and /clients are kept (:class:`ChunkCache`), so each rewrite compresses only
+what is new.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +143,118 @@ CLIENT_COLUMNS: dict[str, str] = {
 }
 
 
+#: Datasets of at least this many bytes are chunked and compressed; smaller ones stay
+#: contiguous (a chunk index and a filter would cost more than they save).
+COMPRESS_MIN_BYTES = 1 << 16
+#: Elements per chunk (256 KiB of float64): at K = 1e6, 31 chunks per evaluation row.
+CHUNK_ELEMENTS = 1 << 15
+#: Deflate level: 1 is within 4% of level 4's size (docs/BENCHMARKS.md), and faster.
+GZIP_LEVEL = 1
+
+
+def chunk_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """HDF5 chunk shape of a 1-D or 2-D dataset: about :data:`CHUNK_ELEMENTS` elements, whole
+    rows when a row is shorter (``(E, K)`` -> ``(1, 32768)`` at K >= 32768; ``(K, C)`` ->
+    ``(32768 // C, C)``), so one row (an evaluation) or one column (a client) is read without
+    the rest."""
+    if len(shape) == 1:
+        return (max(1, min(shape[0], CHUNK_ELEMENTS)),)
+    cols = max(1, min(shape[1], CHUNK_ELEMENTS))
+    return (max(1, min(shape[0], CHUNK_ELEMENTS // cols)), cols)
+
+
+def _shuffled(name: str) -> bool:
+    """Shuffle filter for ``name``: yes but for accuracies, whose values are a few fractions
+    k/n that plain deflate finds repeated (measured in docs/BENCHMARKS.md)."""
+    return not name.endswith("accuracy")
+
+
+def _encode(block: np.ndarray, chunks: tuple[int, ...], shuffle: bool) -> bytes:
+    """One chunk as HDF5's shuffle + deflate filters store it: padded to the full chunk shape
+    (edge chunks), bytes transposed by the shuffle filter, then zlib (deflate's format)."""
+    if block.shape != chunks:
+        full = np.zeros(chunks, dtype=block.dtype)
+        full[tuple(slice(0, n) for n in block.shape)] = block
+        block = full
+    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    size = block.dtype.itemsize
+    if shuffle and size > 1:
+        raw = raw.reshape(-1, size).T
+    return zlib.compress(np.ascontiguousarray(raw).tobytes(), GZIP_LEVEL)
+
+
+class ChunkCache:
+    """Compressed chunks of arrays that do not change once written (evaluation rows, /clients),
+    so that a rewrite of the file compresses only what is new.
+
+    Entries are keyed by name and hold the array they were made from: an entry is used only for
+    that very array object (a replaced row is compressed again). Size: the compressed bytes,
+    about 0.2 (accuracies) to 0.9 (losses) of the rows' own.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, tuple[np.ndarray, list[bytes]]] = {}
+
+    def get(self, key: Any, source: np.ndarray, make) -> list[bytes]:
+        hit = self._entries.get(key)
+        if hit is not None and hit[0] is source:
+            return hit[1]
+        blobs = make()
+        self._entries[key] = (source, blobs)
+        return blobs
+
+
+def _chunk_offsets(shape: tuple[int, ...], chunks: tuple[int, ...]):
+    return itertools.product(*(range(0, n, c) for n, c in zip(shape, chunks)))
+
+
+def create_dataset(g: h5py.Group, name: str, data, *, cache: ChunkCache | None = None,
+                   rows: list[np.ndarray] | None = None) -> h5py.Dataset:
+    """``g[name] = data``, chunked and deflate-compressed when it holds at least
+    :data:`COMPRESS_MIN_BYTES` (shape, dtype and values as given; see the module docstring).
+
+    Args:
+        data: a 1-D or 2-D array (or ``rows``' stack).
+        cache: compressed chunks kept between rewrites, keyed by ``name`` (and row): reused
+            while the same array objects are written again.
+        rows: when given, ``data`` is ``np.stack(rows)`` and rows are cached one by one (only
+            when a chunk is one row: K >= CHUNK_ELEMENTS; not at all otherwise). A cached row
+            must not be changed in place (history rows never are).
+
+    Returns:
+        The dataset. Chunks are written with ``write_direct_chunk`` from :func:`_encode`:
+        exactly what HDF5's deflate (and shuffle) filters would store, read back by any reader.
+    """
+    data = np.ascontiguousarray(data)
+    if (data.nbytes < COMPRESS_MIN_BYTES or data.ndim not in (1, 2)
+            or data.dtype.kind not in "biuf"):
+        return g.create_dataset(name, data=data)
+    chunks, shuffle = chunk_shape(data.shape), _shuffled(name)
+    d = g.create_dataset(name, shape=data.shape, dtype=data.dtype, chunks=chunks,
+                         compression="gzip", compression_opts=GZIP_LEVEL, shuffle=shuffle)
+    by_row = rows is not None and data.ndim == 2 and chunks[0] == 1
+
+    def encode(array: np.ndarray, offsets) -> list[bytes]:
+        return [_encode(array[tuple(slice(o, o + c) for o, c in zip(off, chunks))], chunks,
+                        shuffle) for off in offsets]
+
+    if by_row:
+        cols = list(range(0, data.shape[1], chunks[1]))
+        for i, row in enumerate(rows):
+            make = lambda i=i: encode(data[i:i + 1], [(0, c) for c in cols])  # noqa: E731
+            blobs = cache.get((name, i), row, make) if cache is not None else make()
+            for c, blob in zip(cols, blobs):
+                d.id.write_direct_chunk((i, c), blob)
+        return d
+    offsets = list(_chunk_offsets(data.shape, chunks))
+    make = lambda: encode(data, offsets)  # noqa: E731
+    # a stack of rows is a new array at every write: caching it would only hold memory
+    blobs = cache.get(name, data, make) if cache is not None and rows is None else make()
+    for off, blob in zip(offsets, blobs):
+        d.id.write_direct_chunk(off, blob)
+    return d
+
+
 def _padded(rows: list, dtype: str, fill) -> np.ndarray:
     """(R, m) from R rows of (m,) values, None rows (not recorded) filled with ``fill``."""
     width = max((len(r) for r in rows if r is not None), default=0)
@@ -192,6 +316,8 @@ class MetricHistory:
         self.adapted_accuracy: list[np.ndarray] = []
         self.adapted_loss: list[np.ndarray] = []
         self.summary: dict[str, list[float]] = {name: [] for name in self.summary_keys}
+        #: compressed chunks of the evaluation rows already written (large K only)
+        self.chunks = ChunkCache()
 
     def add_round(self, row: dict[str, Any]) -> None:
         """Append one round's row: every ROUND_COLUMNS and LAYER_COLUMNS key; the
@@ -218,19 +344,22 @@ class MetricHistory:
             self.summary[name].append(float(summary[name]))
 
     def to_group(self, g: h5py.Group) -> None:
-        """Store as plain datasets under ``g`` (``rounds/<col>``, ``eval/<name>``)."""
+        """Store as plain datasets under ``g`` (``rounds/<col>``, ``eval/<name>``); large ones
+        chunked and compressed (:func:`create_dataset`), the evaluation rows' compressed chunks
+        kept in :attr:`chunks` for the next write."""
         for name, (dtype, _) in ROUND_COLUMNS.items():
-            g.create_dataset(f"rounds/{name}", data=np.asarray(self.rounds[name], dtype=dtype))
+            create_dataset(g, f"rounds/{name}", np.asarray(self.rounds[name], dtype=dtype))
         for name, (dtype, _) in LAYER_COLUMNS.items():
             rows = np.asarray(self.rounds[name], dtype=dtype).reshape(-1, self.num_layers)
-            g.create_dataset(f"rounds/{name}", data=rows)
+            create_dataset(g, f"rounds/{name}", rows)
         for name, (dtype, _, fill) in SELECTION_COLUMNS.items():
-            g.create_dataset(f"rounds/{name}", data=_padded(self.rounds[name], dtype, fill))
-        g.create_dataset("eval/round", data=np.asarray(self.eval_round, dtype="i8"))
+            create_dataset(g, f"rounds/{name}", _padded(self.rounds[name], dtype, fill))
+        create_dataset(g, "eval/round", np.asarray(self.eval_round, dtype="i8"))
         for name, rows in self._per_client():
-            g.create_dataset(f"eval/{name}", data=np.asarray(rows, dtype="f8").reshape(len(rows), self.num_clients))
+            data = np.asarray(rows, dtype="f8").reshape(len(rows), self.num_clients)
+            create_dataset(g, f"eval/{name}", data, cache=self.chunks, rows=rows)
         for name in self.summary_keys:
-            g.create_dataset(f"eval/{name}", data=np.asarray(self.summary[name], dtype="f8"))
+            create_dataset(g, f"eval/{name}", np.asarray(self.summary[name], dtype="f8"))
 
     def _per_client(self) -> list[tuple[str, list[np.ndarray]]]:
         out = [("client_accuracy", self.accuracy), ("client_loss", self.loss)]
@@ -341,7 +470,8 @@ class ResultsWriter:
         for name, (_, unit, _) in SELECTION_COLUMNS.items():
             f["rounds"][name].attrs["unit"] = unit
         for name, data in self.clients.items():
-            f.create_dataset(f"clients/{name}", data=data).attrs["unit"] = CLIENT_COLUMNS[name]
+            create_dataset(f, f"clients/{name}", data, cache=self.history.chunks
+                           ).attrs["unit"] = CLIENT_COLUMNS[name]
         ev["fair_angle"].attrs["unit"] = "radians"
         ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
         if self._model is not None:
@@ -474,16 +604,97 @@ def check_values(path: Path, rounds: dict[str, np.ndarray], ev: dict[str, np.nda
         bad("/eval/round", r, ok)
 
 
-def read_results(path: str | Path) -> dict[str, Any]:
+class LazyArray:
+    """A per-client dataset of a results file kept open by :func:`read_results` (``lazy=True``):
+    nothing is read until it is indexed, and an index reads only the chunks it touches.
+
+    Attributes:
+        shape, dtype, ndim, nbytes, chunks: the dataset's (``chunks`` None: contiguous, a file
+            written before compression or a small one).
+        path: the results file; name: the dataset's path in it (``eval/client_accuracy``).
+    """
+
+    def __init__(self, path: Path, name: str, dataset: h5py.Dataset, handle: "_OpenFile"):
+        self.path, self.name, self._handle = path, name, handle
+        self.shape, self.dtype, self.chunks = dataset.shape, dataset.dtype, dataset.chunks
+        self.ndim = len(self.shape)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __getitem__(self, key) -> np.ndarray:
+        """h5py's indexing (ints, slices, one increasing list) of the dataset, as numpy.
+
+        Raises:
+            OutputError: the file was closed, or HDF5 cannot read the chunk (a damaged file
+                that has no checksum).
+        """
+        f = self._handle.file
+        if f is None:
+            raise OutputError(f"{self.path}: closed (the loaded results were closed; load "
+                              "them again)")
+        try:
+            return f[self.name][key]
+        except (TypeError, IndexError, ValueError):
+            raise
+        except Exception as exc:  # noqa: BLE001 -- HDF5's errors on a damaged chunk
+            first = (str(exc).splitlines() or [""])[0]
+            raise OutputError(f"{self.path}: cannot read /{self.name} ({type(exc).__name__}: "
+                              f"{first})") from None
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[()]
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.path}:/{self.name}, shape={self.shape}, dtype={self.dtype})"
+
+
+class _OpenFile:
+    """The open file object and HDF5 file behind a run's :class:`LazyArray` s."""
+
+    def __init__(self, fileobj, f: h5py.File) -> None:
+        self.fileobj, self.file = fileobj, f
+
+    def close(self) -> None:
+        f, self.file = self.file, None
+        if f is not None:
+            try:
+                f.close()
+            finally:
+                self.fileobj.close()
+
+
+#: Rows of a per-client array checked at once when an unsealed file is opened lazily.
+_CHECK_BLOCK = 1 << 22
+
+
+def _lazy(group: str, dataset: h5py.Dataset) -> bool:
+    """Per-client arrays, read lazily with ``lazy=True``: /eval's (E, K), every /clients one."""
+    return group == "clients" or (group == "eval" and dataset.ndim == 2)
+
+
+def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
     """Read a results file into plain numpy arrays (for ``mpifl report`` and analysis).
 
     The file's SHA-256 is verified before HDF5 reads it (files written before checksums were
     added are still read), and impossible values are refused (:func:`check_values`).
 
+    Args:
+        lazy: per-client arrays (/eval's (E, K) ones, /clients) come back as
+            :class:`LazyArray` s over the file, which stays open (until ``result["close"]()``
+            or garbage collection) and is read only where they are indexed; everything else is
+            read as with ``lazy=False``. The seal is verified all the same (it streams the file
+            through SHA-256, in constant memory); the value checks of the lazy arrays, which
+            would read them whole, are left out for sealed files (the seal proves they are the
+            bytes mpifl wrote) and done a block of rows at a time for unsealed (older) ones.
+
     Returns:
         ``{"path", "attrs", "config", "rounds": {col: (R,) or (R, L) or (R, m)},
         "eval": {name: array}, "clients": {name: array}}`` (``clients`` empty before schema 2),
-        accuracies and their std as fractions whatever the file's schema version.
+        accuracies and their std as fractions whatever the file's schema version; with
+        ``lazy``, also ``"close"``: a callable that closes the file.
 
     Raises:
         OutputError: the file is missing, not HDF5, damaged, or not an mpifl results file of a
@@ -492,40 +703,76 @@ def read_results(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise OutputError(f"{path}: no such results file")
-    fileobj, _sealed = open_verified(path, "results file")
+    fileobj, sealed = open_verified(path, "results file")
+    handle: _OpenFile | None = None
+    lazies: dict[str, LazyArray] = {}
     try:
-        with fileobj, h5py.File(fileobj, "r") as f:
-            attrs = {k: _plain(v) for k, v in f.attrs.items()}
-            if "schema_version" not in attrs or "rounds" not in f or "eval" not in f:
-                raise OutputError(f"{path}: not an mpifl results file")
-            if attrs["schema_version"] not in READABLE_VERSIONS:
-                raise OutputError(
-                    f"{path}: schema version {attrs['schema_version']} is not supported "
-                    f"(this mpifl reads {', '.join(map(str, READABLE_VERSIONS))})"
-                )
-            rounds = {k: f["rounds"][k][()] for k in f["rounds"]}
-            ev = {k: f["eval"][k][()] for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
-            for sub in ("group", "personal", "adapted", "loss"):
-                ev.update({f"{sub}/{k}": f["eval"][sub][k][()] for k in f["eval"].get(sub, {})})
-            clients = {k: f["clients"][k][()] for k in f.get("clients", {})}
-    except OutputError:
-        raise
-    except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ... on damage
+        handle = _OpenFile(fileobj, h5py.File(fileobj, "r"))
+        f = handle.file
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        if "schema_version" not in attrs or "rounds" not in f or "eval" not in f:
+            raise OutputError(f"{path}: not an mpifl results file")
+        if attrs["schema_version"] not in READABLE_VERSIONS:
+            raise OutputError(
+                f"{path}: schema version {attrs['schema_version']} is not supported "
+                f"(this mpifl reads {', '.join(map(str, READABLE_VERSIONS))})"
+            )
+
+        def get(group: str, name: str):
+            d = f[f"{group}/{name}"]
+            if lazy and _lazy(group, d):
+                lazies[f"{group}/{name}"] = LazyArray(path, f"{group}/{name}", d, handle)
+                return lazies[f"{group}/{name}"]
+            return d[()]
+
+        rounds = {k: get("rounds", k) for k in f["rounds"]}
+        ev = {k: get("eval", k) for k in f["eval"] if isinstance(f["eval"][k], h5py.Dataset)}
+        for sub in ("group", "personal", "adapted", "loss"):
+            ev.update({f"{sub}/{k}": get("eval", f"{sub}/{k}") for k in f["eval"].get(sub, {})})
+        clients = {k: get("clients", k) for k in f.get("clients", {})}
+        if lazy and not sealed:
+            _check_lazy(path, {k: v for k, v in ev.items() if isinstance(v, LazyArray)})
+    except BaseException as exc:
+        if handle is not None:
+            handle.close()
+        else:
+            fileobj.close()
+        if isinstance(exc, (OutputError, KeyboardInterrupt, SystemExit)):
+            raise
+        # h5py raises OSError, KeyError, RuntimeError, ... on damage
         first = (str(exc).splitlines() or [""])[0]
         raise OutputError(f"{path}: cannot read as HDF5 ({type(exc).__name__}: {first})") from None
-    if not isinstance(attrs.get("config", "{}"), str):
-        raise OutputError(f"{path}: damaged results file (config is not text)")
+    if not lazies:
+        handle.close()
     try:
-        config = json.loads(attrs.get("config", "{}"))
-    except ValueError:
-        raise OutputError(f"{path}: stored config is not valid JSON") from None
-    if attrs["schema_version"] == 1:  # std was stored in percentage points
-        for name in ("std", "personal/std"):
-            if name in ev:
-                ev[name] = ev[name] / 100.0
-    check_values(path, rounds, ev, attrs)
-    return {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev,
-            "clients": clients}
+        if not isinstance(attrs.get("config", "{}"), str):
+            raise OutputError(f"{path}: damaged results file (config is not text)")
+        try:
+            config = json.loads(attrs.get("config", "{}"))
+        except ValueError:
+            raise OutputError(f"{path}: stored config is not valid JSON") from None
+        if attrs["schema_version"] == 1:  # std was stored in percentage points
+            for name in ("std", "personal/std"):
+                if name in ev:
+                    ev[name] = ev[name] / 100.0
+        check_values(path, rounds, {k: v for k, v in ev.items()
+                                    if not isinstance(v, LazyArray)}, attrs)
+    except BaseException:
+        handle.close()
+        raise
+    out = {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev,
+           "clients": clients}
+    if lazy:
+        out["close"] = handle.close
+    return out
+
+
+def _check_lazy(path: Path, arrays: dict[str, LazyArray]) -> None:
+    """:func:`check_values` of (E, K) arrays a block of rows at a time (constant memory)."""
+    for name, a in arrays.items():
+        step = max(1, _CHECK_BLOCK // max(1, a.shape[1]))
+        for lo in range(0, a.shape[0], step):
+            check_values(path, {}, {name: a[lo:lo + step]})
 
 
 def _plain(v: Any) -> Any:
@@ -579,8 +826,8 @@ def damage_reason(path: str | Path, exc: OutputError) -> str:
     return text
 
 
-def read_many(paths) -> tuple[list[dict[str, Any]], list[Damaged]]:
-    """Read every results file of ``paths`` with :func:`read_results`.
+def read_many(paths, lazy: bool = False) -> tuple[list[dict[str, Any]], list[Damaged]]:
+    """Read every results file of ``paths`` with :func:`read_results` (``lazy`` passed on).
 
     Returns:
         ``(good, damaged)``: the results of the files that read (in order; each has its
@@ -592,7 +839,7 @@ def read_many(paths) -> tuple[list[dict[str, Any]], list[Damaged]]:
     good, damaged = [], []
     for path in paths:
         try:
-            good.append(read_results(path))
+            good.append(read_results(path, lazy=lazy))
         except OutputError as exc:
             damaged.append(Damaged(Path(path), damage_reason(path, exc)))
     return good, damaged
