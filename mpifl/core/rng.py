@@ -14,6 +14,7 @@ adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.m
 client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
 FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
 client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
+sampled evaluation         ``[seed, round, EVAL_TAG]``                 runtime.server
 random layers (dropout)    ``[seed, round, k, step, LAYER_TAG(, t)]``  clients.loop
 FedFV's random order       ``[seed, round]`` (no tag)                  aggregators.fedfv
 bench simulate's clients   ``[seed, round, BENCH_SIMULATE_TAG]``       bench.simulate
@@ -35,3 +36,6 @@ ADAPT_TAG = 0x6D706164
 #: Random layers of a model (Dropout, ``F.dropout``) in the per-client loop trainer: torch's
 #: generator is reseeded at every local step from this key (+ the order tag t of adaptation).
 LAYER_TAG = 0x6D70666C
+#: run.eval_clients: the clients an evaluation after ``round`` rounds tests (a stream apart from
+#: selection's, so the option changes no trained model).
+EVAL_TAG = 0x6D706576

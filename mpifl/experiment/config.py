@@ -81,6 +81,10 @@ class RunConfig(_Section):
     # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
     # on resume (it decides which columns the results hold)
     adapt_epochs: int = Field(0, ge=0, le=100_000)
+    # clients each evaluation tests: a random subset of this many, keyed by the seed and the
+    # round (resumed exactly), stored with NaN for the others; the evaluation's summaries are
+    # then estimates over them (populations too large to evaluate whole). 0 = every client
+    eval_clients: int = Field(0, ge=0, le=INT32_MAX)
 
 
 class PluginsConfig(_Section):
@@ -463,6 +467,9 @@ def _check_consistency(cfg: Config) -> None:
             f"server.clients_per_round: {s.clients_per_round} exceeds data.num_clients "
             f"({d.num_clients})"
         )
+    if cfg.run.eval_clients > d.num_clients:
+        raise ConfigError(f"run.eval_clients: {cfg.run.eval_clients} exceeds data.num_clients "
+                          f"({d.num_clients}); 0 evaluates every client")
     try:  # the data layer's rule, as load_federated applies it
         check_combination(d.dataset, d.partition, d.partition_params, d.num_clients)
     except IncompatibleData as exc:

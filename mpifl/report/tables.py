@@ -71,6 +71,8 @@ def summarise(path: str | Path, last: int = 1,
         "round": int(ev["round"][-1]),
         "evals": k,
         "clients": int(acc.size),
+        # run.eval_clients: each evaluation tested this many of them (the rest are NaN)
+        "eval_clients": int(res["config"].get("run", {}).get("eval_clients", 0) or 0),
         "mean": tail("mean", 100), "std": tail("std", 100), "worst5": tail("worst5", 100),
         "best5": tail("best5", 100), "fair_angle": tail("fair_angle"),
     }
@@ -91,7 +93,7 @@ def summarise(path: str | Path, last: int = 1,
         row.pop("fair_angle", None)
         row.pop("cf", None)
         return row
-    if acc.size <= PER_CLIENT_MAX:
+    if acc.size <= PER_CLIENT_MAX and not row["eval_clients"]:
         row["client_accuracy"] = [100 * float(a) for a in acc]
     return row
 
@@ -111,7 +113,7 @@ def group_by_seed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         g = {"run": members[0]["run"] if len(members) == 1 else _common_name(members),
              "algorithm": members[0]["algorithm"], "seeds": len(members),
              "runs": [m["run"] for m in members], "round": min(m["round"] for m in members),
-             "clients": members[0]["clients"],
+             "clients": members[0]["clients"], "eval_clients": members[0].get("eval_clients", 0),
              "evals": min(m["evals"] for m in members)}
         for key, _, _ in _ROWS:
             vals = [m[key] for m in members if isinstance(m.get(key), (int, float))]
@@ -179,6 +181,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     evals = sorted({r["evals"] for r in rows if "evals" in r})
     if evals and evals != [1]:  # what was used: a run with fewer evaluations uses them all
         out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")
+    sampled = sorted({(r["eval_clients"], r["clients"]) for r in rows if r.get("eval_clients")})
+    for n, k in sampled:  # run.eval_clients
+        out.append(f"(sampled evaluation: each evaluation tested {n} of {k} clients, drawn anew; "
+                   "the metrics are estimates over them)")
     return "\n".join(out)
 
 

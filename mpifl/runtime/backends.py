@@ -132,17 +132,19 @@ class LocalClients:
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
                  adapt: tuple[int, float] | None = None,
-                 local: torch.Tensor | None = None) -> EvalReply:
-        """All K clients at ``w`` (with their own ``local`` (K, s) coordinates if given), at
-        their own rows of ``personal`` (K, d) if given, and after local adaptation from ``w``
-        if ``adapt = (round, lr)`` is given."""
-        idx = [self.fed.test_indices(k) for k in range(self.fed.num_clients)]
+                 local: torch.Tensor | None = None, ids: np.ndarray | None = None) -> EvalReply:
+        """All K clients at ``w``, or the (n,) clients ``ids`` (ascending), each with its own
+        row of ``local`` (K or n, s) coordinates if given, at its own row of ``personal`` (K or
+        n, d) if given, and after local adaptation from ``w`` if ``adapt = (round, lr)`` is
+        given; every array of the reply in the order of the clients."""
+        ids = np.arange(self.fed.num_clients) if ids is None else ids
+        idx = [self.fed.test_indices(k) for k in ids]
         reply = EvalReply(*evaluate(self.trainer, w, idx, self.groups, local))
         if personal is not None:
             reply.personal_accuracy, reply.personal_loss = self.trainer.evaluate_each(personal, idx)
         if adapt is not None:
             reply.adapted_accuracy, reply.adapted_loss = evaluate_adapted(
-                self.adapter, self.fed, w, adapt, np.arange(self.fed.num_clients))
+                self.adapter, self.fed, w, adapt, ids)
         reply.peak_rss = np.array([float(peak_rss_bytes())])
         return reply
 
@@ -193,14 +195,15 @@ class RemoteClients:
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
                  adapt: tuple[int, float] | None = None,
-                 local: torch.Tensor | None = None) -> EvalReply:
-        """All K clients at ``w`` (with their own ``local`` (K, s) coordinates if given), at
-        their own rows of ``personal`` (K, d) if given, and after local adaptation from ``w``
-        on the workers if ``adapt = (round, lr)`` is given."""
+                 local: torch.Tensor | None = None, ids: np.ndarray | None = None) -> EvalReply:
+        """As :meth:`LocalClients.evaluate`, on the workers: all K clients in static shares,
+        or the clients ``ids`` in blocks of about equal test samples."""
+        counts = (self._eval_counts if ids is None else
+                  rank_counts(split_by_samples(self.fed.num_test[ids], self.transport.workers)))
         return self.transport.eval.request(
-            w.detach().cpu().numpy(), self._eval_counts, self._width,
+            w.detach().cpu().numpy(), counts, self._width,
             None if personal is None else personal.detach().cpu().numpy(), adapt,
-            None if local is None else local.detach().cpu().numpy())
+            None if local is None else local.detach().cpu().numpy(), ids)
 
     def stop(self, code: int = 0) -> None:
         self.transport.stop.request(code)

@@ -26,6 +26,8 @@ class RoundPlan:
         checkpoint_minutes: wall-clock minutes between checkpoints (0: by rounds only).
         progress_every_s: seconds between progress lines in the log (0: none).
         adapt: evaluation after local adaptation (``run.adapt_epochs > 0``).
+        eval_clients: N > 0: each evaluation tests a random subset of N clients, keyed by
+            (seed, round); 0: every client.
         rule: the rule's name, for naming it when it fails.
         config_json: the run's config as canonical JSON, stored in every checkpoint.
     """
@@ -46,6 +48,7 @@ class RoundPlan:
     adapt: bool
     rule: str
     config_json: str
+    eval_clients: int = 0
 
     def lr_at(self, rnd: int) -> float:
         """The client learning rate of round ``rnd`` (0-based)."""

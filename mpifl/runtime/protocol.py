@@ -15,7 +15,9 @@ Every request from rank 0 starts with a ``Bcast`` of a small float64 header
 * ``LOSSES``: ``Bcast`` of client ids and of candidate parameters; ``Gatherv`` of those
   clients' mean training losses (m,) float32 — an evaluation-only request (FedMDFG's line
   search), same blocks as TRAIN.
-* ``EVAL``: ``Bcast`` of the parameters; each worker evaluates its static share of all K clients;
+* ``EVAL``: ``Bcast`` of the parameters; each worker evaluates its static share of all K clients
+  (or, with a header m > 0, ``run.eval_clients``: ``Bcast`` of the m sampled client ids first,
+  and each worker evaluates its block of them, blocks of about equal test samples);
   ``Gatherv`` of accuracies and losses (K,) float64 and, on data with a sensitive attribute,
   of per-client group counts (K, G*2*3) float64. With bit :data:`PERSONAL` of ``flag``,
   ``Scatterv`` of per-client parameters (K, d) float32 follows and their accuracies and losses
@@ -401,8 +403,8 @@ class Eval(Command):
     @_request
     def request(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
                 personal: np.ndarray | None = None, adapt: tuple[int, float] | None = None,
-                local: np.ndarray | None = None) -> EvalReply:
-        """Rank 0: evaluate all K clients on the workers.
+                local: np.ndarray | None = None, ids: np.ndarray | None = None) -> EvalReply:
+        """Rank 0: evaluate all K clients on the workers, or the clients ``ids``.
 
         Args:
             counts: (size,) clients per rank (rank 0 has none), from
@@ -413,15 +415,22 @@ class Eval(Command):
                 by round), or None.
             local: (K, s) float32 every client's local coordinates (s = ``columns.state``),
                 or None.
+            ids: (n,) int64 ascending, the clients to evaluate (``run.eval_clients``; the
+                workers' blocks by test samples, ``counts`` theirs), or None for all K clients
+                (each worker its static share). ``personal`` and ``local`` then hold n rows.
         """
         x, k = self.wire, int(counts.sum())
+        m = 0 if ids is None else len(ids)
         flag = ((PERSONAL if personal is not None else 0) | (ADAPTED if adapt is not None else 0)
                 | (LOCAL if local is not None else 0))
         rnd, lr = adapt if adapt is not None else (0, 0.0)
-        x.bcast_header(EVAL, rnd, lr, flag=flag)
-        x.w[:] = w
-        x.collective("Bcast", [x.w, x.MPI.FLOAT])
-        sent = x.workers * (x.header.nbytes + x.w.nbytes)
+        x.bcast_header(EVAL, rnd, lr, m, flag)
+        if m:
+            sent = x.workers * (x.header.nbytes + x.bcast_ids_w(ids, w).nbytes + x.w.nbytes)
+        else:
+            x.w[:] = w
+            x.collective("Bcast", [x.w, x.MPI.FLOAT])
+            sent = x.workers * (x.header.nbytes + x.w.nbytes)
         if personal is not None:
             x.scatterv(personal, counts * x.d, x.d, 0)
             sent += personal.nbytes
@@ -446,7 +455,10 @@ class Eval(Command):
 
     def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
         x = self.wire
-        x.collective("Bcast", [x.w, x.MPI.FLOAT])
+        if len(req.client_ids):  # the clients to evaluate (run.eval_clients), then w
+            x.bcast_ids_w(req.client_ids, None)
+        else:
+            x.collective("Bcast", [x.w, x.MPI.FLOAT])
         if flag & PERSONAL:
             req.personal = x.scatterv(None, None, x.d, bounds_of(EVAL, req.client_ids))
         if flag & LOCAL:

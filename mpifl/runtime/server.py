@@ -20,7 +20,7 @@ from mpifl.aggregators import ObservesParams, PersonalModels, RoundInputs, Round
 from mpifl.clients.faults import accepted, dropped_out
 from mpifl.core.blame import blame, origin
 from mpifl.core.errors import MpiflError, OutputError
-from mpifl.core.rng import SAMPLING_TAG
+from mpifl.core.rng import EVAL_TAG, SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
                                    loss_summary)
@@ -51,6 +51,33 @@ def select_clients(seed: int, rnd: int, num_samples: np.ndarray, m: int, samplin
     if sampling == "weighted":
         p = np.asarray(num_samples, dtype=np.float64) / np.sum(num_samples)
     return np.sort(rng.choice(k, size=m, replace=False, p=p)).astype(np.int64)
+
+
+def eval_sample(seed: int, rounds_done: int, num_clients: int, n: int) -> np.ndarray | None:
+    """The clients the evaluation after ``rounds_done`` rounds tests (``run.eval_clients``).
+
+    Args:
+        seed: the run's seed; with ``rounds_done`` it keys the draw (a resumed run draws the
+            same clients).
+        num_clients: K. n: clients to test, 0 for all of them.
+
+    Returns:
+        (n,) int64 client ids, ascending, drawn uniformly without replacement; None when
+        ``n`` is 0 or K (every client).
+    """
+    if n == 0 or n >= num_clients:
+        return None
+    rng = np.random.default_rng([seed, rounds_done, EVAL_TAG])
+    return np.sort(rng.choice(num_clients, size=n, replace=False)).astype(np.int64)
+
+
+def _spread(values: np.ndarray, ids: np.ndarray | None, k: int) -> np.ndarray:
+    """(K,) float64 with the tested clients' ``values`` at ``ids`` and NaN elsewhere."""
+    if ids is None:
+        return values
+    out = np.full(k, np.nan)
+    out[ids] = values
+    return out
 
 
 def eval_due(rnd: int, rounds: int, every: int) -> bool:
@@ -274,37 +301,45 @@ class Server:
         return rnd + 1, self.plan.lr_at(rnd + 1)
 
     def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None) -> tuple[float, dict]:
-        """Evaluate every client; the round's ``row`` gets the peak memory after it."""
+        """Evaluate every client (or ``plan.eval_clients`` of them, keyed by the round); the
+        round's ``row`` gets the peak memory after it. Untested clients' values are NaN."""
         t0 = time.perf_counter()
-        agg = self.aggregator
+        agg, k = self.aggregator, self.fed.num_clients
+        ids = eval_sample(self.plan.seed, rnd + 1, k, self.plan.eval_clients)
+        rows = (lambda a: a) if ids is None else (lambda a: a[torch.from_numpy(ids).to(a.device)])
+        own = agg.personal_params(w) if isinstance(agg, PersonalModels) else None
         rep = self.clients.evaluate(agg.evaluation_params(w) if isinstance(agg, ObservesParams)
                                     else w,
-                                    agg.personal_params(w) if isinstance(agg, PersonalModels)
-                                    else None, self._adapt(rnd),
-                                    None if self.local is None else self.local.rows)
+                                    None if own is None else rows(own),
+                                    self._adapt(rnd),
+                                    None if self.local is None else rows(self.local.rows),
+                                    ids=ids)
+        tested = self.fed.num_test if ids is None else self.fed.num_test[ids]
         acc, loss = rep.accuracy, rep.loss
         if row is not None and rep.peak_rss is not None:  # evaluation often peaks highest
             mb = rep.peak_rss / 2**20
             row["peak_rss_server_mb"] = max(row["peak_rss_server_mb"], float(mb[0]))
             row["peak_rss_worker_mb"] = max(row["peak_rss_worker_mb"], float(mb[1:].max()
                                                                              if len(mb) > 1 else mb[0]))
-        summary = client_summary(acc, self.fed.num_test)
+        summary = client_summary(acc, tested)
         if rep.counts is not None:  # summed over clients: the union of all test data
             union = rep.counts.sum(axis=0).reshape(-1, 2, 3)
-            summary.update({f"group/{k}": v for k, v in violations_from_counts(union).items()})
+            summary.update({f"group/{name}": v for name, v in
+                            violations_from_counts(union).items()})
         personal = None
         if rep.personal_accuracy is not None:  # Ditto: each client's own model
-            personal = (rep.personal_accuracy, rep.personal_loss)
-            summary.update({f"personal/{k}": v for k, v in
-                            client_summary(rep.personal_accuracy, self.fed.num_test).items()})
+            personal = (_spread(rep.personal_accuracy, ids, k), _spread(rep.personal_loss, ids, k))
+            summary.update({f"personal/{name}": v for name, v in
+                            client_summary(rep.personal_accuracy, tested).items()})
         adapted = None
         if rep.adapted_accuracy is not None:  # after local adaptation (run.adapt_epochs)
-            adapted = (rep.adapted_accuracy, rep.adapted_loss)
-            summary.update({f"adapted/{k}": v for k, v in
-                            client_summary(rep.adapted_accuracy, self.fed.num_test).items()})
+            adapted = (_spread(rep.adapted_accuracy, ids, k), _spread(rep.adapted_loss, ids, k))
+            summary.update({f"adapted/{name}": v for name, v in
+                            client_summary(rep.adapted_accuracy, tested).items()})
         if self.regression:
-            summary.update({f"loss/{k}": v for k, v in loss_summary(loss).items()})
-        self.writer.append_eval(rnd + 1, acc, loss, summary, personal, adapted)
+            summary.update({f"loss/{name}": v for name, v in loss_summary(loss).items()})
+        self.writer.append_eval(rnd + 1, _spread(acc, ids, k), _spread(loss, ids, k), summary,
+                                personal, adapted)
         if self.regression:
             log.info("round %d/%d: mean loss %.5g, std %.3g, worst5 %.5g, best5 %.5g",
                      rnd + 1, self.plan.rounds, summary["loss/mean"], summary["loss/std"],

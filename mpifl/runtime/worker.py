@@ -39,12 +39,17 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
     eval_idx = [fed.test_indices(k) for k in eval_ids]
     groups = group_setup(fed, device)
 
-    def mine(client_ids: np.ndarray) -> np.ndarray:
-        bounds = split_by_samples(fed.num_train[client_ids], workers)
+    def mine(client_ids: np.ndarray, sizes: np.ndarray = fed.num_train) -> np.ndarray:
+        bounds = split_by_samples(sizes[client_ids], workers)
         return client_ids[bounds[block]:bounds[block + 1]]
 
+    def tested(client_ids: np.ndarray) -> np.ndarray:
+        """This rank's clients of an evaluation: its static share of all K, or its block of
+        the sampled ones (``run.eval_clients``) by test samples."""
+        return eval_ids if not len(client_ids) else mine(client_ids, fed.num_test)
+
     def rows_mine(command: int, client_ids: np.ndarray) -> int:
-        return len(mine(client_ids)) if command == TRAIN else len(eval_idx)
+        return len(mine(client_ids)) if command == TRAIN else len(tested(client_ids))
 
     while True:
         req = transport.receive(rows_mine)
@@ -71,10 +76,13 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
                     else np.empty(0))
             transport.losses.reply(loss)
         elif req.command == EVAL:
-            out = _evaluate(trainer, w, eval_idx, groups, req.personal, device, req.local)
+            ids = tested(req.client_ids)
+            idx = eval_idx if ids is eval_ids else [fed.test_indices(k) for k in ids]
+            out = _evaluate(trainer, w, idx, groups, req.personal, device, req.local)
             adapted = None
             if req.adapt:  # after local adaptation: this rank's share of the clients
-                adapted = evaluate_adapted(adapter, fed, w, (req.round, req.lr), eval_ids)
+                adapted = (evaluate_adapted(adapter, fed, w, (req.round, req.lr), ids)
+                           if len(ids) else (np.empty(0), np.empty(0)))
             transport.eval.reply(*out, adapted)
 
 
