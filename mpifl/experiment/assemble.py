@@ -29,7 +29,7 @@ from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
                           model_traits)
 from mpifl.models.zoo import batchnorm_coordinates
-from mpifl.runtime.backends import group_setup
+from mpifl.runtime.backends import num_groups
 from mpifl.runtime.client_state import LocalCoordinates
 from mpifl.runtime.comm import local_rank
 from mpifl.store import checkpoint
@@ -92,9 +92,8 @@ def build_parts(plan: Plan) -> Parts:
     if len(local) and (plan.shards > 1 or plan.adapt is not None):
         raise ConfigError(f"model.batchnorm: '{m.batchnorm}' keeps coordinates per "
                           f"client, which the sharded server and run.adapt_epochs do not carry yet")
-    groups = group_setup(fed, torch.device("cpu"))
     return Parts(fed, model, layout, layout.flatten_module(model).detach().clone(), loss, traits,
-                 local, groups[1] if groups else 0)
+                 local, num_groups(fed))
 
 
 def _check_task(plan: Plan, fed, loss: Loss) -> None:

@@ -30,16 +30,22 @@ class TrainResult:
     peak_rss_worker: float  # bytes, largest over the worker ranks (rank 0 in one process)
 
 
+def num_groups(fed) -> int:
+    """G sensitive groups of a binary task with a sensitive attribute (group metrics), else 0."""
+    if getattr(fed, "sensitive", None) is None or fed.num_classes != 2:
+        return 0
+    return int(fed.sensitive.max()) + 1
+
+
 def group_setup(fed, device: torch.device) -> tuple[torch.Tensor, int] | None:
     """(sensitive (N,) int64 on ``device``, G) for binary tasks with a sensitive attribute."""
-    if getattr(fed, "sensitive", None) is None or fed.num_classes != 2:
-        return None
-    return torch.from_numpy(fed.sensitive).to(device), int(fed.sensitive.max()) + 1
+    g = num_groups(fed)
+    return (torch.from_numpy(fed.sensitive).to(device), g) if g else None
 
 
-def stats_width(groups: tuple[torch.Tensor, int] | None) -> int:
+def stats_width(num_groups: int) -> int:
     """Float64 statistics per client in an evaluation: G groups x 2 labels x 3 counts."""
-    return 0 if groups is None else groups[1] * 2 * 3
+    return num_groups * 2 * 3
 
 
 def evaluate(trainer, w: torch.Tensor, idx, groups, local: torch.Tensor | None = None
@@ -165,7 +171,7 @@ class RemoteClients:
         self.transport, self.fed, self.device = transport, fed, device
         bounds = split_by_samples(fed.num_test, transport.workers)
         self._eval_counts = rank_counts(bounds)
-        self._width = stats_width(group_setup(fed, torch.device("cpu")))
+        self._width = stats_width(num_groups(fed))
 
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
               inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
