@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -154,6 +155,23 @@ class VmapTrainer:
             options: the trainer's own keyword arguments (others are ignored).
         """
         return Columns(stats=(("train_accuracy", 1),) if options.get("report_accuracy") else ())
+
+    @contextmanager
+    def samples(self, x: np.ndarray, y: np.ndarray) -> Iterator[None]:
+        """Train and evaluate on the sample store ``x``, ``y`` inside the block, then on the
+        trainer's own again: a lazy population's window of a round's clients
+        (:mod:`mpifl.data.lazy`), whose rows the block's ``sample_idx`` index.
+
+        Args:
+            x: (n, *input_shape) float32 samples. y: (n,) labels (or targets), as the store's.
+        """
+        own = self.x, self.y
+        self.x = torch.from_numpy(np.ascontiguousarray(x)).to(own[0].device, own[0].dtype)
+        self.y = torch.from_numpy(np.ascontiguousarray(y)).to(own[1].device, own[1].dtype)
+        try:
+            yield
+        finally:
+            self.x, self.y = own
 
     @torch.no_grad()
     def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from pydantic import ValidationError
@@ -66,6 +66,8 @@ class FederatedData:
     test_ptr: np.ndarray
     test_idx: np.ndarray
     sensitive: np.ndarray | None = None
+    #: every sample is held (a :class:`mpifl.data.lazy.LazyPopulation` draws them on demand)
+    lazy: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         # Cheap structural checks: a wrong CSR would silently train on the wrong samples.
@@ -84,6 +86,11 @@ class FederatedData:
     def num_clients(self) -> int:
         """K, the number of clients."""
         return len(self.train_ptr) - 1
+
+    @property
+    def label_dtype(self) -> np.dtype:
+        """The labels' dtype: integer classes, or float regression targets."""
+        return self.y.dtype
 
     @property
     def num_train(self) -> np.ndarray:

@@ -21,11 +21,10 @@ What is lazy, what is not:
   samples: K x ~240 draws); :meth:`LazyPopulation.label_counts` gives it for chosen clients
   only and returns None without them. ``sensitive`` is None (synthetic has no sensitive
   attribute).
-- **Not yet integrated**: the trainers, the workers and the evaluation still take an eager
-  ``FederatedData`` (``fed.x[fed.train_indices(k)]``), and ``experiment`` builds only that. The
-  next step is to feed them a :class:`Window` per round and stream the evaluation of all K
-  clients window by window; until then a run with K = 10^6 synthetic clients cannot use this
-  module, and :func:`load_population` is a library entry point.
+- **Used by a run** with ``data.lazy = true``: every rank builds the population, and each
+  request's clients (a worker's block of the round, of a sampled evaluation, a window of a
+  streamed full evaluation) are drawn into a :class:`Window` that is the trainer's sample store
+  for that call (:func:`mpifl.runtime.backends.client_rows`).
 
 Only the ``natural`` partition (the data set's own clients) can be lazy: any other partition
 needs every sample's label or group at once.
@@ -126,6 +125,8 @@ class LazyPopulation:
     """
 
     sensitive = None  # no lazy data set has a sensitive attribute yet
+    lazy = True  # the runtime draws each request's clients (mpifl.runtime.backends.client_rows)
+    label_dtype = np.dtype(np.int64)  # class labels (lazy sources fill int64 y)
 
     def __init__(self, name: str, source: ClientSource, seed: int, fractions: Sequence[float],
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:

@@ -24,6 +24,7 @@ from mpifl.core.errors import ConfigError, MpiflError, OutputError
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
+from mpifl.data.lazy import load_population
 from mpifl.experiment.plan import Plan
 from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
@@ -69,7 +70,8 @@ def build_parts(plan: Plan) -> Parts:
         DataError: a missing or damaged data set.
     """
     d, seed = plan.data, plan.seed
-    fed = load_federated(
+    load = load_population if d.lazy else load_federated  # data.lazy: drawn per request
+    fed = load(
         d.dataset, partition=d.partition, num_clients=d.num_clients, seed=seed,
         train_fraction=d.train_fraction, data_root=d.data_root, dataset_params=d.params,
         partition_params=d.partition_params)
@@ -98,11 +100,11 @@ def build_parts(plan: Plan) -> Parts:
 
 def _check_task(plan: Plan, fed, loss: Loss) -> None:
     """The loss fits the data (labels or targets) and the rule (some need class labels)."""
-    integer = fed.y.dtype.kind in "iu"
+    integer = fed.label_dtype.kind in "iu"
     if loss.classification != integer:
         want = "integer class labels" if loss.classification else "float targets"
         raise ConfigError(f"model.loss: '{loss.name}' needs {want}; data set "
-                          f"'{plan.data.dataset}' has {fed.y.dtype} y")
+                          f"'{plan.data.dataset}' has {fed.label_dtype} y")
     if loss.outputs == 1 and fed.num_classes != 2:
         raise ConfigError(f"model.loss: '{loss.name}' is a two-class loss; data set "
                           f"'{plan.data.dataset}' has {fed.num_classes} classes")
@@ -140,14 +142,24 @@ def make_trainer(plan: Plan, parts: Parts, device: torch.device):
     and loss they come from, with ``faults.nan_clients`` injected."""
     cls, options = _trainer_class(plan, parts, trainer_path(plan, parts, device)[0] == "loop")
     options["loss"] = parts.loss
-    x = torch.from_numpy(parts.fed.x).to(device)
-    y = torch.from_numpy(parts.fed.y).to(device)
+    x, y = sample_store(parts.fed, device)
     if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
         options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
     trainer = Blamed(cls(parts.model, parts.layout, x, y, device=device, **options),
                      plugin_parts(plan, parts))
     nan = plan.trainer.nan_clients
     return NaNClients(trainer, list(nan)) if nan else trainer
+
+
+def sample_store(fed, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's (x, y) on ``device``: the whole pool, or for a lazy population an empty
+    store of its shape, each request's window staged in it
+    (:func:`mpifl.runtime.backends.client_rows`)."""
+    if fed.lazy:
+        return (torch.empty((0, *fed.input_shape), dtype=torch.float32, device=device),
+                torch.empty(0, dtype=torch.from_numpy(np.empty(0, fed.label_dtype)).dtype,
+                            device=device))
+    return torch.from_numpy(fed.x).to(device), torch.from_numpy(fed.y).to(device)
 
 
 def plugin_parts(plan: Plan, parts: Parts) -> list[tuple[str, str, object]]:
@@ -172,7 +184,7 @@ def make_adapter(plan: Plan, parts: Parts, device: torch.device, trainer=None
     x = getattr(inner, "x", None)
     y = getattr(inner, "y", None)
     if x is None or y is None:
-        x, y = torch.from_numpy(parts.fed.x).to(device), torch.from_numpy(parts.fed.y).to(device)
+        x, y = sample_store(parts.fed, device)
     cls = LoopTrainer if trainer_path(plan, parts, device)[0] == "loop" else VmapTrainer
     return Blamed(cls(parts.model, parts.layout, x, y, epochs=a.epochs,
                       batch_size=a.batch_size, momentum=a.momentum,

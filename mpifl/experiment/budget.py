@@ -15,7 +15,10 @@ the whole data set and the model, rank 0 also the server's matrices):
   synthetic.expected_samples_per_client`, about 237), 60 float32 features. The image and
   tabular sets are bounded by their files (N their nominal pool; the loader refuses more
   clients than the pool can split, so K counts up to N here); a plugin data set's size is not
-  known before it is loaded and counts as 0.
+  known before it is loaded and counts as 0. A lazy population (``data.lazy``) holds instead
+  ``LAZY_PER_CLIENT_BYTES`` a client (its sample counts and selection's (K,) temporaries) and
+  the largest window it draws at once: a worker's share of the round's clients, or a streamed
+  evaluation's :data:`mpifl.runtime.backends.STREAM_SAMPLES` samples.
 - **model** (every rank): ``MODEL_COPIES`` float32 copies of the d parameters (the model, the
   initial and current flat vectors, the trainer's). d comes from the built-in model built on
   the meta device for the data set's input shape; unknown (0) for a plugin model or data set.
@@ -58,6 +61,7 @@ import torch
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
 from mpifl.data import synthetic
+from mpifl.runtime.backends import STREAM_SAMPLES
 from mpifl.data.tabular import ROW_COUNTS, SCHEMAS, TABULAR
 from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
@@ -67,6 +71,9 @@ LIMIT_VAR = "MPIFL_MEMORY_LIMIT_MB"
 #: per-client bookkeeping while the data are set up: CSR offsets and the partition's and the
 #: split's per-client numpy arrays (about 100 bytes of object each), label counts
 PER_CLIENT_BYTES = 600
+#: Bytes a client of a lazy population (data.lazy): three (K,) int64 count vectors, and the
+#: (K,) float64 weights and int64 temporaries of selecting a round's clients.
+LAZY_PER_CLIENT_BYTES = 64
 #: float32 copies of the d parameters on every rank (model, w0, w, the trainer's flat copy)
 MODEL_COPIES = 4
 #: float32 rows of d per client being trained at once (parameters, gradients, momentum, update)
@@ -322,9 +329,16 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
     every = f"on every rank (x{nodes_ranks} on this node)" if nodes_ranks > 1 else "on every rank"
     needs: list[Need] = []
 
-    # data: every rank holds the whole set
+    # data: every rank holds the whole set (a lazy population: its counts and one window)
     data_bytes = (samples or 0.0) * (sample_bytes + 16.0) + PER_CLIENT_BYTES * k
-    if d_cfg.dataset == "synthetic":
+    if d_cfg.lazy and samples is not None:
+        per_client = samples / max(k, 1)
+        window = max(-(-m // workers) * per_client, STREAM_SAMPLES)
+        data_bytes = LAZY_PER_CLIENT_BYTES * k + 2 * window * (sample_bytes + 16.0)
+        what = (f"a lazy population of {k:,} clients, drawing up to {count_text(window)} "
+                f"samples at once")
+        key, value = "data.num_clients", d_cfg.num_clients
+    elif d_cfg.dataset == "synthetic":
         what = f"the synthetic data set would hold ~{count_text(samples)} samples"
         key, value = "data.num_clients", d_cfg.num_clients
     elif samples is not None:

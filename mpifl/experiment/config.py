@@ -29,7 +29,8 @@ from mpifl.core.errors import ConfigError
 from mpifl.core.params import Params
 from mpifl.core.plugins import PluginError, load_modules
 from mpifl.core.registry import closest
-from mpifl.data.compat import IncompatibleData, check_combination, nest_params, provided, providers
+from mpifl.data.compat import (IncompatibleData, check_combination, lazy_datasets, nest_params,
+                               provided, providers)
 from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, SENSITIVE
 from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
 from mpifl.runtime.loggers import LOGGERS, missing_requirement
@@ -85,6 +86,10 @@ class RunConfig(_Section):
     # round (resumed exactly), stored with NaN for the others; the evaluation's summaries are
     # then estimates over them (populations too large to evaluate whole). 0 = every client
     eval_clients: int = Field(0, ge=0, le=INT32_MAX)
+    # with eval_clients: the evaluation after every multiple of this many rounds, and the last
+    # one, tests every client instead (a lazy population streams them through the workers in
+    # windows); 0 = every evaluation is sampled
+    full_eval_every: int = Field(0, ge=0, le=INT32_MAX)
 
 
 class PluginsConfig(_Section):
@@ -116,6 +121,9 @@ class DataConfig(_Section):
     # heterogeneity or group_proportions; tabular sensitive_feature)
     params: dict[str, Any] = Field(default_factory=dict)
     partition_params: dict[str, Any] = Field(default_factory=dict)
+    # draw each round's clients on demand (mpifl.data.lazy; data sets that declare lazy=, the
+    # natural partition): memory O(K) small numbers instead of O(K x samples)
+    lazy: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -452,6 +460,24 @@ def _check_loggers(names: list[str]) -> None:
             raise ConfigError(f"run.loggers: {advice}")
 
 
+def _check_lazy(cfg: Config, rule, meta: bool) -> None:
+    """``data.lazy``: a data set that declares itself lazy, its natural clients, and nothing
+    that reads every sample (FedMeta's meta set, group statistics)."""
+    d = cfg.data
+    if d.dataset not in lazy_datasets():
+        raise ConfigError(f"data.lazy: '{d.dataset}' cannot be loaded lazily (lazy: "
+                          f"{', '.join(lazy_datasets()) or 'none'}); set data.lazy = false")
+    if d.partition != "natural":
+        raise ConfigError(f"data.lazy: a lazy population keeps its own clients (data.partition "
+                          f"= \"natural\"), got '{d.partition}'")
+    if meta:
+        raise ConfigError(f"data.lazy: FedMeta's meta step draws its meta set from every "
+                          f"client's samples; set data.lazy = false or server.meta = false")
+    if rule.needs.num_groups:
+        raise ConfigError(f"data.lazy: {cfg.server.algorithm} needs sensitive groups, which a "
+                          f"lazy population does not have")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Cross-field rules; names are checked against the registries (the source of truth)."""
     _check_names(cfg)
@@ -492,6 +518,8 @@ def _check_consistency(cfg: Config) -> None:
     if meta and cfg.fedmeta.meta_sampling == "group_balanced" and without_groups:
         raise ConfigError(f"fedmeta.meta_sampling: 'group_balanced' needs a dataset with a "
                           f"sensitive attribute ({with_groups}), got '{d.dataset}'")
+    if d.lazy:
+        _check_lazy(cfg, rule, meta)
     bad = [k for k in cfg.faults.nan_clients if not 0 <= k < d.num_clients]
     if bad:
         raise ConfigError(f"faults.nan_clients: ids {bad} are outside 0..{d.num_clients - 1}")

@@ -118,7 +118,7 @@ def make_plan(cfg: Config) -> Plan:
                          server.sampling, client.lr, client.lr_decay, client.dropout,
                          server.max_update_norm, run.eval_every, run.checkpoint_every,
                          run.checkpoint_minutes, run.progress_every_s, run.adapt_epochs > 0,
-                         server.algorithm, text, run.eval_clients),
+                         server.algorithm, text, run.eval_clients, run.full_eval_every),
         rule=server.algorithm, rule_params=cfg.algorithm_params(), needs=rule.needs,
         personal=isinstance(rule, aggregators.PersonalModels), seed=run.seed, data=cfg.data, model=cfg.model,
         trainer=_trainer_plan(cfg, rule),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mpifl.aggregators import PersonalModels
@@ -380,9 +381,7 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
                            adapted_metrics=plan.adapt is not None,
                            loss_metrics=not parts.loss.classification,
                            history=start.ckpt.history if start.ckpt else None,
-                           clients={"num_train": parts.fed.num_train,
-                                    "num_test": parts.fed.num_test,
-                                    "label_counts": parts.fed.label_counts()})
+                           clients=_client_table(parts.fed))
     path, why = own.trainer_path
     writer.attrs["trainer"] = path  # what client.trainer = "auto" chose, for the record
     log.info("local training: %s trainer (%s), loss %s", path, why, parts.loss.name)
@@ -406,3 +405,13 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
         loggers.close()
     log.info("results written to %s%s", out, "" if finished else " (stopped early; resume to continue)")
     return code
+
+
+def _client_table(fed) -> dict[str, np.ndarray]:
+    """The results file's /clients: sample counts, and label counts unless the population is
+    lazy (they would draw every client's samples)."""
+    table = {"num_train": fed.num_train, "num_test": fed.num_test}
+    counts = fed.label_counts()
+    if counts is not None:
+        table["label_counts"] = counts
+    return table

@@ -15,6 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import owner_alive
 from mpifl.store.checkpoint import folder_for, load_latest
@@ -73,6 +75,8 @@ def summarise(path: str | Path, last: int = 1,
         "clients": int(acc.size),
         # run.eval_clients: each evaluation tested this many of them (the rest are NaN)
         "eval_clients": int(res["config"].get("run", {}).get("eval_clients", 0) or 0),
+        # of the evaluations used, those that tested every client (run.full_eval_every)
+        "full_evals": int(np.isfinite(ev["client_accuracy"][-k:]).all(axis=1).sum()),
         "mean": tail("mean", 100), "std": tail("std", 100), "worst5": tail("worst5", 100),
         "best5": tail("best5", 100), "fair_angle": tail("fair_angle"),
     }
@@ -114,7 +118,7 @@ def group_by_seed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "algorithm": members[0]["algorithm"], "seeds": len(members),
              "runs": [m["run"] for m in members], "round": min(m["round"] for m in members),
              "clients": members[0]["clients"], "eval_clients": members[0].get("eval_clients", 0),
-             "evals": min(m["evals"] for m in members)}
+             "full_evals": min(m.get("full_evals", 0) for m in members), "evals": min(m["evals"] for m in members)}
         for key, _, _ in _ROWS:
             vals = [m[key] for m in members if isinstance(m.get(key), (int, float))]
             if key not in g and len(vals) == len(members):
@@ -181,9 +185,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     evals = sorted({r["evals"] for r in rows if "evals" in r})
     if evals and evals != [1]:  # what was used: a run with fewer evaluations uses them all
         out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")
-    sampled = sorted({(r["eval_clients"], r["clients"]) for r in rows if r.get("eval_clients")})
-    for n, k in sampled:  # run.eval_clients
-        out.append(f"(sampled evaluation: each evaluation tested {n} of {k} clients, drawn anew; "
+    sampled = sorted({(r["eval_clients"], r["clients"], r.get("full_evals", 0), r["evals"])
+                      for r in rows if r.get("eval_clients")})
+    for n, k, full, used in sampled:  # run.eval_clients (and run.full_eval_every)
+        if full >= used:
+            out.append(f"(sampled evaluations tested {n} of {k} clients; the ones used here "
+                       f"tested all {k})")
+            continue
+        what = "each evaluation" if not full else f"{used - full} of the {used} evaluations used"
+        out.append(f"(sampled evaluation: {what} tested {n} of {k} clients, drawn anew; "
                    "the metrics are estimates over them)")
     return "\n".join(out)
 

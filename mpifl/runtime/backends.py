@@ -8,6 +8,8 @@ back with the results for /rounds.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,24 +64,101 @@ def evaluate(trainer, w: torch.Tensor, idx, groups, local: torch.Tensor | None =
     return acc, loss, counts.reshape(len(idx), -1)
 
 
-def evaluate_adapted(adapter, fed, w: torch.Tensor, adapt: tuple[int, float],
-                     client_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Evaluation after local adaptation of some clients: (n,) float64 accuracies and losses.
+#: Samples a lazy population draws at once in a streamed evaluation: its clients go through the
+#: trainer in windows of about this many samples (synthetic: 2^18 x 60 float32, ~64 MB).
+STREAM_SAMPLES = 2**18
+
+
+@contextmanager
+def client_rows(fed, client_ids: np.ndarray, *trainers) -> Iterator[tuple[list, list]]:
+    """The clients' rows in the trainers' sample store: ``(train, test)``, each a list of (n_k,)
+    int64 index arrays in the order of ``client_ids``.
+
+    Eager data (:class:`mpifl.data.FederatedData`): the store is the whole pool, the rows its
+    own. A lazy population (:mod:`mpifl.data.lazy`): the clients are drawn into a window, which
+    is each trainer's store inside the block (``None`` trainers are skipped).
+    """
+    if not getattr(fed, "lazy", False):
+        yield [fed.train_indices(k) for k in client_ids], [fed.test_indices(k) for k in client_ids]
+        return
+    window = fed.clients(client_ids)
+    with ExitStack() as stack:
+        for trainer in trainers:
+            if trainer is not None:
+                stack.enter_context(trainer.samples(window.x, window.y))
+        yield ([window.train_indices(j) for j in range(len(client_ids))],
+               [window.test_indices(j) for j in range(len(client_ids))])
+
+
+def stream_blocks(fed, client_ids: np.ndarray) -> list[tuple[int, int]]:
+    """``[(lo, hi), ...]`` consecutive blocks of ``client_ids`` evaluated at once: one block for
+    eager data; for a lazy population, windows of about :data:`STREAM_SAMPLES` samples (at
+    least one client each), so a full evaluation of K clients never holds them all."""
+    n = len(client_ids)
+    if not getattr(fed, "lazy", False) or n == 0:
+        return [(0, n)]
+    ends = np.cumsum(fed.sizes[client_ids])
+    marks = np.arange(STREAM_SAMPLES, int(ends[-1]), STREAM_SAMPLES)
+    cuts = np.unique(np.searchsorted(ends, marks, side="left") + 1)
+    bounds = [0, *(int(c) for c in cuts if 0 < c < n), n]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass
+class Evaluated:
+    """One rank's evaluation of some clients, each array in the order of the clients: (n,)
+    float64 accuracies and losses, (n, G*2*3) group counts or None, and the (accuracy, loss)
+    pairs at the personal models and after local adaptation, or None."""
+
+    accuracy: np.ndarray
+    loss: np.ndarray
+    counts: np.ndarray | None = None
+    personal: tuple[np.ndarray, np.ndarray] | None = None
+    adapted: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, groups,
+                     personal: torch.Tensor | None = None, local: torch.Tensor | None = None,
+                     adapter=None, adapt: tuple[int, float] | None = None) -> Evaluated:
+    """Evaluate the clients ``client_ids`` at ``w`` (block by block, :func:`stream_blocks`).
 
     Args:
-        adapter: the trainer of :func:`mpifl.experiment.assemble.make_adapter` (None: the run
-            has ``run.adapt_epochs = 0``, an error here).
-        fed: the federated data. w: (d,) float32 global parameters.
-        adapt: ``(round, lr)`` of the evaluation (round keys the minibatch order).
-        client_ids: (n,) int64 clients, each adapted on its training and evaluated on its test
-            split.
+        trainer: the run's trainer. fed: the federated data or lazy population.
+        w: (d,) float32 global parameters. client_ids: (n,) int64, n >= 1.
+        groups: :func:`group_setup`'s (sensitive, G), or None.
+        personal: (n, d) float32 per-client parameters, also evaluated, or None.
+        local: (n, s) float32 each client's local coordinates (local BatchNorm), or None.
+        adapter: the trainer of evaluation after local adaptation
+            (:func:`mpifl.experiment.assemble.make_adapter`); needed with ``adapt``.
+        adapt: ``(round, lr)``: also evaluate after local adaptation from w (round keys the
+            minibatch order), or None.
+
+    Raises:
+        RuntimeError: ``adapt`` without an adapter (``run.adapt_epochs = 0`` here).
     """
-    if adapter is None:
+    if adapt is not None and adapter is None:
         raise RuntimeError("an adapted evaluation was requested but run.adapt_epochs is 0 here")
-    rnd, lr = adapt
-    return adapter.evaluate_adapted(w, rnd, lr, client_ids,
-                                    [fed.train_indices(k) for k in client_ids],
-                                    [fed.test_indices(k) for k in client_ids])
+    parts = []
+    for lo, hi in stream_blocks(fed, client_ids):
+        ids = client_ids[lo:hi]
+        with client_rows(fed, ids, trainer, adapter if adapt else None) as (train, test):
+            acc, loss, counts = evaluate(trainer, w, test, groups,
+                                         None if local is None else local[lo:hi])
+            own = None if personal is None else trainer.evaluate_each(personal[lo:hi], test)
+            adapted = (None if adapt is None else
+                       adapter.evaluate_adapted(w, adapt[0], adapt[1], ids, train, test))
+        parts.append(Evaluated(acc, loss, counts, own, adapted))
+    return parts[0] if len(parts) == 1 else _joined(parts)
+
+
+def _joined(parts: list[Evaluated]) -> Evaluated:
+    """The blocks of one evaluation as one."""
+    cat = np.concatenate
+    pairs = lambda name: (None if getattr(parts[0], name) is None else  # noqa: E731
+                          tuple(cat([getattr(p, name)[i] for p in parts]) for i in (0, 1)))
+    return Evaluated(cat([p.accuracy for p in parts]), cat([p.loss for p in parts]),
+                     None if parts[0].counts is None else cat([p.counts for p in parts]),
+                     pairs("personal"), pairs("adapted"))
 
 
 def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:
@@ -125,15 +204,17 @@ class LocalClients:
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
               inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
         t0 = time.perf_counter()
-        idx = [self.fed.train_indices(k) for k in client_ids]
-        updates, losses, stats = self.trainer.run_round(w, rnd, lr, client_ids, idx, inputs, state)
+        with client_rows(self.fed, client_ids, self.trainer) as (idx, _):
+            updates, losses, stats = self.trainer.run_round(w, rnd, lr, client_ids, idx, inputs,
+                                                            state)
         stats = shape_stats(self.trainer.columns, stats, len(client_ids))
         rss = float(peak_rss_bytes())
         return TrainResult(updates, losses, stats, 0.0, time.perf_counter() - t0, 0.0, 0, rss, rss)
 
     def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(m,) float32 mean training losses of the clients at ``w``, and bytes moved (0)."""
-        _, loss = self.trainer.evaluate(w, [self.fed.train_indices(k) for k in client_ids])
+        with client_rows(self.fed, client_ids, self.trainer) as (idx, _):
+            _, loss = self.trainer.evaluate(w, idx)
         return torch.from_numpy(loss).float().to(w.device), 0
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
@@ -144,13 +225,13 @@ class LocalClients:
         n, d) if given, and after local adaptation from ``w`` if ``adapt = (round, lr)`` is
         given; every array of the reply in the order of the clients."""
         ids = np.arange(self.fed.num_clients) if ids is None else ids
-        idx = [self.fed.test_indices(k) for k in ids]
-        reply = EvalReply(*evaluate(self.trainer, w, idx, self.groups, local))
-        if personal is not None:
-            reply.personal_accuracy, reply.personal_loss = self.trainer.evaluate_each(personal, idx)
-        if adapt is not None:
-            reply.adapted_accuracy, reply.adapted_loss = evaluate_adapted(
-                self.adapter, self.fed, w, adapt, ids)
+        out = evaluate_clients(self.trainer, self.fed, w, ids, self.groups, personal, local,
+                               self.adapter, adapt)
+        reply = EvalReply(out.accuracy, out.loss, out.counts)
+        if out.personal is not None:
+            reply.personal_accuracy, reply.personal_loss = out.personal
+        if out.adapted is not None:
+            reply.adapted_accuracy, reply.adapted_loss = out.adapted
         reply.peak_rss = np.array([float(peak_rss_bytes())])
         return reply
 

@@ -28,6 +28,8 @@ class RoundPlan:
         adapt: evaluation after local adaptation (``run.adapt_epochs > 0``).
         eval_clients: N > 0: each evaluation tests a random subset of N clients, keyed by
             (seed, round); 0: every client.
+        full_eval_every: with ``eval_clients``, the evaluations after a multiple of this many
+            rounds and after the last round test every client; 0: none does.
         rule: the rule's name, for naming it when it fails.
         config_json: the run's config as canonical JSON, stored in every checkpoint.
     """
@@ -49,6 +51,14 @@ class RoundPlan:
     rule: str
     config_json: str
     eval_clients: int = 0
+    full_eval_every: int = 0
+
+    def tests_all(self, rounds_done: int) -> bool:
+        """Whether the evaluation after ``rounds_done`` rounds tests every client."""
+        if not self.eval_clients:
+            return True
+        every = self.full_eval_every
+        return bool(every) and (rounds_done % every == 0 or rounds_done == self.rounds)
 
     def lr_at(self, rnd: int) -> float:
         """The client learning rate of round ``rnd`` (0-based)."""

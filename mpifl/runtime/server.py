@@ -301,11 +301,13 @@ class Server:
         return rnd + 1, self.plan.lr_at(rnd + 1)
 
     def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None) -> tuple[float, dict]:
-        """Evaluate every client (or ``plan.eval_clients`` of them, keyed by the round); the
-        round's ``row`` gets the peak memory after it. Untested clients' values are NaN."""
+        """Evaluate every client (or ``plan.eval_clients`` of them, keyed by the round, unless
+        this evaluation is a full one); the round's ``row`` gets the peak memory after it.
+        Untested clients' values are NaN."""
         t0 = time.perf_counter()
         agg, k = self.aggregator, self.fed.num_clients
-        ids = eval_sample(self.plan.seed, rnd + 1, k, self.plan.eval_clients)
+        ids = (None if self.plan.tests_all(rnd + 1) else
+               eval_sample(self.plan.seed, rnd + 1, k, self.plan.eval_clients))
         rows = (lambda a: a) if ids is None else (lambda a: a[torch.from_numpy(ids).to(a.device)])
         own = agg.personal_params(w) if isinstance(agg, PersonalModels) else None
         rep = self.clients.evaluate(agg.evaluation_params(w) if isinstance(agg, ObservesParams)

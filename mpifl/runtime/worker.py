@@ -2,7 +2,9 @@
 until STOP.
 
 A worker trains its contiguous block of each round's selected clients as one vectorised
-computation, and evaluates a static share of all K clients (blocks by test-set size).
+computation, and evaluates a static share of all K clients (blocks by test-set size). On a lazy
+population (:mod:`mpifl.data.lazy`) it draws only the clients of each request, and streams its
+share of a full evaluation in windows (:func:`mpifl.runtime.backends.stream_blocks`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mpifl.runtime.backends import evaluate, evaluate_adapted, group_setup, stats_rows
+from mpifl.runtime.backends import client_rows, evaluate_clients, group_setup, stats_rows
 from mpifl.runtime.comm import rank_counts, split_by_samples
 from mpifl.runtime.protocol import CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport
 
@@ -24,8 +26,10 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
 
     Args:
         transport: the worker end of the protocol.
-        trainer: a :class:`mpifl.clients.VmapTrainer` over the whole sample store.
-        fed: the federated data (every rank builds the same one from the same seed).
+        trainer: a :class:`mpifl.clients.VmapTrainer` over the whole sample store (of a lazy
+            population: an empty one, each request's window staged in it).
+        fed: the federated data or lazy population (every rank builds the same one from the
+            same seed).
         device: where this rank trains.
         adapter: the trainer of evaluation after local adaptation (``run.adapt_epochs``), or None.
         shard: on a sharded server, this rank's :class:`mpifl.runtime.sharding.ShardServer`
@@ -36,7 +40,6 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
     workers = transport.workers
     eval_bounds = split_by_samples(fed.num_test, workers)
     eval_ids = np.arange(eval_bounds[block], eval_bounds[block + 1], dtype=np.int64)
-    eval_idx = [fed.test_indices(k) for k in eval_ids]
     groups = group_setup(fed, device)
 
     def mine(client_ids: np.ndarray, sizes: np.ndarray = fed.num_train) -> np.ndarray:
@@ -72,18 +75,14 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
                                 torch.from_numpy(cols).to(device))
         elif req.command == LOSSES:
             ids = mine(req.client_ids)
-            loss = (trainer.evaluate(w, [fed.train_indices(k) for k in ids])[1] if len(ids)
-                    else np.empty(0))
+            loss = np.empty(0)
+            if len(ids):
+                with client_rows(fed, ids, trainer) as (idx, _):
+                    loss = trainer.evaluate(w, idx)[1]
             transport.losses.reply(loss)
         elif req.command == EVAL:
-            ids = tested(req.client_ids)
-            idx = eval_idx if ids is eval_ids else [fed.test_indices(k) for k in ids]
-            out = _evaluate(trainer, w, idx, groups, req.personal, device, req.local)
-            adapted = None
-            if req.adapt:  # after local adaptation: this rank's share of the clients
-                adapted = (evaluate_adapted(adapter, fed, w, (req.round, req.lr), ids)
-                           if len(ids) else (np.empty(0), np.empty(0)))
-            transport.eval.reply(*out, adapted)
+            transport.eval.reply(*_evaluate(trainer, fed, w, tested(req.client_ids), groups,
+                                            req, device, adapter))
 
 
 def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
@@ -91,21 +90,21 @@ def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
     if len(ids) == 0:
         return (np.empty((0, w.numel()), np.float32), np.empty(0, np.float32),
                 np.empty((0, cols.stats_width), np.float32))
-    updates, losses, stats = trainer.run_round(w, rnd, lr, ids, [fed.train_indices(k) for k in ids],
-                                               inputs, state)
+    with client_rows(fed, ids, trainer) as (idx, _):
+        updates, losses, stats = trainer.run_round(w, rnd, lr, ids, idx, inputs, state)
     return (updates.cpu().numpy(), losses.cpu().numpy(),
             stats_rows(cols, stats, len(ids)).cpu().numpy())
 
 
-def _evaluate(trainer, w, eval_idx, groups, personal, device, local=None):
-    if not eval_idx:  # more ranks than clients: an empty share
+def _evaluate(trainer, fed, w, ids, groups, req, device, adapter):
+    """The EVAL reply's arrays for this rank's clients ``ids`` (empty when there are more ranks
+    than clients)."""
+    if not len(ids):
         width = 0 if groups is None else groups[1] * 6
         empty = (np.empty(0), np.empty(0))
         return (*empty, np.empty((0, width)) if width else None,
-                empty if personal is not None else None)
-    acc, loss, counts = evaluate(trainer, w, eval_idx, groups,
-                                 None if local is None else torch.from_numpy(local).to(device))
-    own = None
-    if personal is not None:
-        own = trainer.evaluate_each(torch.from_numpy(personal).to(device), eval_idx)
-    return acc, loss, counts, own
+                empty if req.personal is not None else None, empty if req.adapt else None)
+    on = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
+    out = evaluate_clients(trainer, fed, w, ids, groups, on(req.personal), on(req.local),
+                           adapter, (req.round, req.lr) if req.adapt else None)
+    return out.accuracy, out.loss, out.counts, out.personal, out.adapted
