@@ -178,7 +178,7 @@ class Server:
         """Write a checkpoint of the state after ``rounds_done`` rounds (if enabled)."""
         if self.checkpoints is None:
             return False
-        state, bounds = self.aggregator.state_dict(), None
+        bounds = None
         if self.shard is not None:  # every shard writes its file, then this one lists them
             status = self.clients.checkpoint_shards(
                 rounds_done, lambda: self.shard.write_checkpoint(self.checkpoints, rounds_done))
@@ -186,9 +186,12 @@ class Server:
                 raise OutputError(f"cannot write checkpoint after round {rounds_done}: shard(s) "
                                   f"{', '.join(map(str, failed))} could not write their files "
                                   "(their ranks logged why); the previous checkpoints are kept")
+            bounds = self.shard.group.bounds
+        # after the shard files: a large rule state (its stacked history) is copied once at a time
+        state = self.aggregator.state_dict()
+        if self.shard is not None:
             state = {k: v for k, v in state.items()
                      if k not in self.aggregator.needs.sharded_state}
-            bounds = self.shard.group.bounds
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
                           self.plan.config_json, self.world_size, self.checkpoints, bounds,
                           client_state=self.local.state_dict() if self.local else {},
