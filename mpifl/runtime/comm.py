@@ -12,6 +12,7 @@ mpi4py is imported lazily so that one-process runs work without an MPI library.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import sys
@@ -157,6 +158,26 @@ def bcast_text(comm, text: str | None) -> str:
     buf = np.frombuffer(text.encode(), np.uint8).copy() if root else np.empty(int(n[0]), np.uint8)
     comm.Bcast([buf, MPI.BYTE], root=0)
     return buf.tobytes().decode()
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; elsewhere
+    nothing). A worker calls it after each request: a round's and an evaluation's windows of
+    clients leave the heap fragmented, and without it a worker's resident memory climbs round
+    after round (measured at K = 10^6: 2.6 GB in round 1 to 5.9 GB by round 41)."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 
 def peak_rss_bytes() -> int:

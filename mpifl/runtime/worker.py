@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mpifl.runtime.backends import client_rows, evaluate_clients, group_setup, stats_rows
-from mpifl.runtime.comm import rank_counts, split_by_samples
+from mpifl.runtime.comm import rank_counts, release_free_memory, split_by_samples
 from mpifl.runtime.protocol import CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport
 
 
@@ -63,16 +63,8 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
             transport.checkpoint.reply(ok)
             continue
         w = torch.from_numpy(req.w).to(device)
-        if req.command == TRAIN:
-            bounds = split_by_samples(fed.num_train[req.client_ids], workers)
-            ids = req.client_ids[bounds[block]:bounds[block + 1]]
-            t0 = time.perf_counter()
-            state = None if req.state is None else torch.from_numpy(req.state).to(device)
-            out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
-            cols = transport.train.reply(*out, time.perf_counter() - t0, rank_counts(bounds))
-            if shard is not None:  # this shard's part of the aggregation
-                shard.aggregate(req.round, req.lr, req.client_ids,
-                                torch.from_numpy(cols).to(device))
+        if req.command == TRAIN:  # a function: the round's (m, d) arrays die with its frame
+            _serve_train(transport, trainer, fed, w, req, block, device, shard)
         elif req.command == LOSSES:
             ids = mine(req.client_ids)
             loss = np.empty(0)
@@ -83,6 +75,22 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
         elif req.command == EVAL:
             transport.eval.reply(*_evaluate(trainer, fed, w, tested(req.client_ids), groups,
                                             req, device, adapter))
+        release_free_memory()
+
+
+def _serve_train(transport, trainer, fed, w, req, block, device, shard) -> None:
+    """Train this rank's block of the round's clients and reply; on a sharded server, then
+    aggregate this shard's column block. Nothing of the round outlives the call, so the next
+    round's updates never sit beside this round's."""
+    bounds = split_by_samples(fed.num_train[req.client_ids], transport.workers)
+    ids = req.client_ids[bounds[block]:bounds[block + 1]]
+    t0 = time.perf_counter()
+    state = None if req.state is None else torch.from_numpy(req.state).to(device)
+    out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
+    cols = transport.train.reply(*out, time.perf_counter() - t0, rank_counts(bounds))
+    del out
+    if shard is not None:  # this shard's part of the aggregation
+        shard.aggregate(req.round, req.lr, req.client_ids, torch.from_numpy(cols).to(device))
 
 
 def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
