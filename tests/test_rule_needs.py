@@ -202,16 +202,20 @@ def _cfg(algorithm: str, *extra: str):
                               "server.clients_per_round=10", "run.rounds=3", *extra])
 
 
-def test_the_memory_rows_are_what_the_old_name_lookups_gave():
+def test_the_memory_rows_are_what_the_old_name_lookups_gave_with_a_checkpoint_copy():
     assert _rule_rows(_cfg("fedfv", "fedfv.tau=2"), 50, 10, 1) == [
-        ("fedfv.tau", 2, "FedFV's history of 2 round(s) of 10 updates", 20, "server")]
+        ("fedfv.tau", 2, "FedFV's history of 2 round(s) of 10 updates and its checkpoint copy", 40,
+         "server")]
     assert _rule_rows(_cfg("fedfv", "fedfv.tau=2", "fedfv.external_window=flgo"), 50, 10, 1) == [
-        ("fedfv.tau", 2, "FedFV's history of 1 round(s) of 10 updates", 10, "server")]
+        ("fedfv.tau", 2, "FedFV's history of 1 round(s) of 10 updates and its checkpoint copy", 20,
+         "server")]
     assert _rule_rows(_cfg("fedlf"), 50, 10, 1) == [
-        ("data.num_clients", 50, "FedLF's history of up to 30 absent clients' gradients", 30,
+        ("data.num_clients", 50, "FedLF's history of up to 30 absent clients' gradients and its checkpoint copy",
+         60,
          "server")]
     assert _rule_rows(_cfg("fedmdfg"), 50, 10, 1) == [
-        ("server.clients_per_round", 10, "FedMDFG's last round of 10 updates", 10, "server")]
+        ("server.clients_per_round", 10, "FedMDFG's last round of 10 updates and its checkpoint copy", 20,
+         "server")]
     assert _rule_rows(_cfg("fedavg"), 50, 10, 1) == []
     ditto = _rule_rows(_cfg("ditto"), 50, 10, 3)
     assert [(k, v, rows, place) for k, v, _, rows, place in ditto] == [

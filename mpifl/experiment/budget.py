@@ -28,7 +28,8 @@ the whole data set and the model, rank 0 also the server's matrices):
   matrix and the rule's working copy of it, m = ``server.clients_per_round`` (K when
   ``server.sampling = "all"``).
 - **rule state** (rank 0 or the shards), as the rule states it (``memory_rows`` of a
-  :class:`~mpifl.aggregators.MemoryRows` rule; the K personal models of a
+  :class:`~mpifl.aggregators.MemoryRows` rule, twice: a checkpoint stacks it into one array
+  beside the live one; the K personal models of a
   :class:`~mpifl.aggregators.PersonalModels` rule): FedFV's history of ``fedfv.tau`` rounds
   (tau m rows of d), FedLF's absent clients' gradients (up to min(K, rounds x m) rows), FedMDFG's last round
   (m rows), a personal-model rule's K personal models (Ditto: the (K, d) store and its
@@ -293,7 +294,9 @@ def _rule_rows(cfg: Config, k: int, m: int, world: int
     if isinstance(rule, aggregators.MemoryRows):  # the rule's own d-sized state
         rows = rule.memory_rows(cfg.rule_params(), num_clients=k, per_round=m,
                                 rounds=cfg.run.rounds)
-        out.append((rows.key, _key_value(cfg, rows.key, k), rows.what, rows.rows, "server"))
+        # x2: a checkpoint stacks the history into one array beside the live one
+        out.append((rows.key, _key_value(cfg, rows.key, k), f"{rows.what} and its checkpoint "
+                    f"copy", 2 * rows.rows, "server"))
     if isinstance(rule, aggregators.PersonalModels):
         out.append(("data.num_clients", k, f"{name} keeps {k:,} personal models and a "
                     f"checkpoint copy", 2 * k, "rank0"))
