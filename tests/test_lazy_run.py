@@ -206,3 +206,27 @@ def test_memory_does_not_grow_with_the_population_beyond_small_vectors(tmp_path)
     # eager synthetic holds ~237 samples x 256 bytes = ~60 KB a client; the lazy run keeps
     # (K,) count, selection and result vectors: a few hundred bytes
     assert slope < 1000, f"{slope:.0f} bytes a client (peaks {peaks} MiB at K = {ks})"
+
+
+BN_MODULE = '''
+import torch.nn as nn
+
+
+def mlp_bn(input_shape, num_classes, **kw):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.BatchNorm1d(16),
+                         nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, num_classes))
+'''
+
+
+def test_the_loop_trainer_with_local_batchnorm_and_dropout_draws_its_clients(tmp_path):
+    # the per-client loop (a model with buffers and random layers), each client's BatchNorm
+    # statistics kept locally: the same staged store, the same bits
+    (tmp_path / "bnmods.py").write_text(BN_MODULE)
+    job = JOB.replace("[data]", '[plugins]\npath = ["."]\n[data]').replace(
+        'name = "mlp"\nhidden = [16]', 'name = "bnmods:mlp_bn"\nbatchnorm = "local"')
+    sets = ["server.algorithm=fedavg", "client.batch_size=0"]
+    run(tmp_path, "lazy.h5", "data.lazy=true", *sets, job=job)
+    run(tmp_path, "eager.h5", *sets, job=job)
+    assert_same_results(tmp_path / "lazy.h5", tmp_path / "eager.h5")
+    with h5py.File(tmp_path / "lazy.h5", "r") as f:
+        assert f.attrs["trainer"] == "loop"
