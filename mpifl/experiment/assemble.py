@@ -157,8 +157,7 @@ def sample_store(fed, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]
     (:func:`mpifl.runtime.backends.client_rows`)."""
     if fed.lazy:
         return (torch.empty((0, *fed.input_shape), dtype=torch.float32, device=device),
-                torch.empty(0, dtype=torch.from_numpy(np.empty(0, fed.label_dtype)).dtype,
-                            device=device))
+                torch.from_numpy(np.empty(0, dtype=fed.label_dtype)).to(device))
     return torch.from_numpy(fed.x).to(device), torch.from_numpy(fed.y).to(device)
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mpifl.runtime.comm import peak_rss_bytes, rank_counts, split_by_samples
+from mpifl.runtime.comm import (peak_rss_bytes, rank_counts, release_free_memory,
+                                split_by_samples)
 from mpifl.runtime.protocol import EvalReply, MPITransport
 
 
@@ -76,18 +77,24 @@ def client_rows(fed, client_ids: np.ndarray, *trainers) -> Iterator[tuple[list, 
 
     Eager data (:class:`mpifl.data.FederatedData`): the store is the whole pool, the rows its
     own. A lazy population (:mod:`mpifl.data.lazy`): the clients are drawn into a window, which
-    is each trainer's store inside the block (``None`` trainers are skipped).
+    is each trainer's store inside the block (``None`` trainers are skipped); after the block
+    the heap's free pages go back to the OS (:func:`release_free_memory`), or the windows of a
+    long run would fragment it and a rank's memory would climb round after round.
     """
-    if not getattr(fed, "lazy", False):
+    if not fed.lazy:
         yield [fed.train_indices(k) for k in client_ids], [fed.test_indices(k) for k in client_ids]
         return
     window = fed.clients(client_ids)
-    with ExitStack() as stack:
-        for trainer in trainers:
-            if trainer is not None:
-                stack.enter_context(trainer.samples(window.x, window.y))
-        yield ([window.train_indices(j) for j in range(len(client_ids))],
-               [window.test_indices(j) for j in range(len(client_ids))])
+    try:
+        with ExitStack() as stack:
+            for trainer in trainers:
+                if trainer is not None:
+                    stack.enter_context(trainer.samples(window.x, window.y))
+            yield ([window.train_indices(j) for j in range(len(client_ids))],
+                   [window.test_indices(j) for j in range(len(client_ids))])
+    finally:
+        del window
+        release_free_memory()
 
 
 def stream_blocks(fed, client_ids: np.ndarray) -> list[tuple[int, int]]:
@@ -95,7 +102,7 @@ def stream_blocks(fed, client_ids: np.ndarray) -> list[tuple[int, int]]:
     eager data; for a lazy population, windows of about :data:`STREAM_SAMPLES` samples (at
     least one client each), so a full evaluation of K clients never holds them all."""
     n = len(client_ids)
-    if not getattr(fed, "lazy", False) or n == 0:
+    if not fed.lazy or n == 0:
         return [(0, n)]
     ends = np.cumsum(fed.sizes[client_ids])
     marks = np.arange(STREAM_SAMPLES, int(ends[-1]), STREAM_SAMPLES)
@@ -153,12 +160,16 @@ def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, grou
 
 def _joined(parts: list[Evaluated]) -> Evaluated:
     """The blocks of one evaluation as one."""
-    cat = np.concatenate
-    pairs = lambda name: (None if getattr(parts[0], name) is None else  # noqa: E731
-                          tuple(cat([getattr(p, name)[i] for p in parts]) for i in (0, 1)))
-    return Evaluated(cat([p.accuracy for p in parts]), cat([p.loss for p in parts]),
-                     None if parts[0].counts is None else cat([p.counts for p in parts]),
-                     pairs("personal"), pairs("adapted"))
+    def cat(name: str):
+        first = getattr(parts[0], name)
+        if first is None:
+            return None
+        if isinstance(first, tuple):  # (accuracy, loss) pairs
+            return tuple(np.concatenate([getattr(p, name)[i] for p in parts]) for i in (0, 1))
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    return Evaluated(*(cat(name) for name in ("accuracy", "loss", "counts", "personal",
+                                              "adapted")))
 
 
 def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:

@@ -173,9 +173,10 @@ _TRIM = _malloc_trim()
 
 def release_free_memory() -> None:
     """Give the C heap's free pages back to the OS (glibc ``malloc_trim(0)``; elsewhere
-    nothing). A worker calls it after each request: a round's and an evaluation's windows of
-    clients leave the heap fragmented, and without it a worker's resident memory climbs round
-    after round (measured at K = 10^6: 2.6 GB in round 1 to 5.9 GB by round 41)."""
+    nothing). Called when a lazy population's window of clients is released
+    (:func:`mpifl.runtime.backends.client_rows`) and after a worker's round is replied:
+    windows and replies leave the heap fragmented, and without it a worker's resident memory
+    climbed round after round (K = 10^6: 2.6 GB in round 1 to 5.9 GB by round 41)."""
     if _TRIM is not None:
         _TRIM(0)
 

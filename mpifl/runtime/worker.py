@@ -75,7 +75,6 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
         elif req.command == EVAL:
             transport.eval.reply(*_evaluate(trainer, fed, w, tested(req.client_ids), groups,
                                             req, device, adapter))
-        release_free_memory()
 
 
 def _serve_train(transport, trainer, fed, w, req, block, device, shard) -> None:
@@ -89,6 +88,7 @@ def _serve_train(transport, trainer, fed, w, req, block, device, shard) -> None:
     out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
     cols = transport.train.reply(*out, time.perf_counter() - t0, rank_counts(bounds))
     del out
+    release_free_memory()  # the replied updates' pages too (client_rows freed the window's)
     if shard is not None:  # this shard's part of the aggregation
         shard.aggregate(req.round, req.lr, req.client_ids, torch.from_numpy(cols).to(device))
 
