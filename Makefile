@@ -27,7 +27,7 @@ slurm-deps:
 	else echo "SLURM missing: sudo apt-get install slurmctld slurmd munge iproute2 time (tests/test_slurm.py and tests/test_multinode.py need them)"; exit 1; fi
 
 demo: install data
-	mpiexec -n $(RANKS) mpifl run jobs/fmnist-fedfv.toml --out runs/main.h5 --overwrite
+	mpiexec -n $(RANKS) python -m mpifl run jobs/fmnist-fedfv.toml --out runs/main.h5 --overwrite
 	mpifl report runs/main.h5
 
 test: install data slurm-deps

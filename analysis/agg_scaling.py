@@ -20,7 +20,7 @@ time ~ m^b_m * d^b_d near the sizes measured. Exit status 2 with one line on std
 missing or unreadable file.
 
 **The number of shards P** (issue 14): ``--sharded`` takes the files of the sharded benchmark,
-one per P (``mpiexec -n P mpifl bench aggregation --shards P --out ...``), and adds
+one per P (``mpiexec -n P python -m mpifl bench aggregation --shards P --out ...``), and adds
 
 * a table per algorithm and case: P, the time split (local statistics, allsum, apply, gather),
   the speed-up over P = 1, the server's memory per rank (peak minus the rank's memory before
@@ -38,9 +38,9 @@ one per P (``mpiexec -n P mpifl bench aggregation --shards P --out ...``), and a
 * ``--sharded-out``: a PNG with the time split against P (stacked bars) and the server's
   memory per rank against P with the ideal 1/P line.
 
-    mpiexec -n 1 mpifl bench aggregation --shards 1 --algorithms fedfv --m 500 --d 1000000 \
+    mpiexec -n 1 python -m mpifl bench aggregation --shards 1 --algorithms fedfv --m 500 --d 1000000 \
         --repeats 1 --warmup 0 --threads 1 --out runs/shard-p1.h5
-    mpiexec -n 2 mpifl bench aggregation --shards 2 --algorithms fedfv --m 500 --d 1000000 \
+    mpiexec -n 2 python -m mpifl bench aggregation --shards 2 --algorithms fedfv --m 500 --d 1000000 \
         --repeats 1 --warmup 0 --threads 1 --out runs/shard-p2.h5
     python analysis/agg_scaling.py --sharded runs/shard-p1.h5 runs/shard-p2.h5 \
         --sharded-out runs/shard_scaling.png

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from mpifl import __version__
+from mpifl.core.version import __version__
 from mpifl.runtime.allocator import keep_large_blocks
 from mpifl.core.errors import MpiflError
 from mpifl.sweep.cli import add_sweep_parser
@@ -61,7 +61,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run_seeds(args: argparse.Namespace) -> int:
-    """``mpifl run JOB --seeds 0-4``: a local sweep over the seeds, then its report."""
+    """``mpifl run JOB --seeds 3`` (seeds 0, 1, 2; or a range 0-4, a list 0,2,5, one seed 5,):
+    a local sweep over the seeds, then the report of exactly those seeds."""
     from mpifl.sweep.seeds import default_folder, parse_seeds, run_seeds
 
     if args.overwrite or args.resume:
@@ -94,61 +95,82 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    """``mpifl report RUNS``: the table of the runs that read; damaged results files are
-    listed (path and reason) and make the exit status 2 (one ``mpifl: error:`` line)."""
-    from mpifl.report.tables import damaged_lines, format_table, group_by_seed, summarise
+    """``mpifl report RUNS``: the table of the runs that read (a run without an evaluation yet:
+    its progress); damaged results files are listed (path and reason) and make the exit status
+    2 (one ``mpifl: error:`` line); a path that does not exist is one error line, before
+    anything is read. ``--json``: accuracies as fractions, as in the results files."""
+    from mpifl.report.tables import (JSON_UNITS, as_fractions, damaged_lines, format_table,
+                                     group_by_seed, setting_labels, summarise)
     from mpifl.store.results import DamagedResults, read_many
     from mpifl.sweep.plan import INDEX
 
     if args.last < 1:
         raise MpiflError(f"--last {args.last}: expected at least 1 evaluation")
+    missing = [p for p in args.runs if not Path(p).exists()]
+    if missing:
+        raise MpiflError(f"no such file: {', '.join(missing)} (mpifl report takes results "
+                         "files (.h5), folders of them, or one sweep folder)")
     if len(args.runs) == 1 and (Path(args.runs[0]) / INDEX).is_file():  # one sweep folder
         return report_sweep(args.runs[0], as_json=args.json, last=args.last)
-    good, damaged = read_many(_results_files(args.runs))
+    files, notes = _results_files(args.runs)
+    good, damaged = read_many(files)
     if not good:  # nothing to show: the error line names them all
         raise DamagedResults(damaged)
     rows = [summarise(res["path"], args.last, res=res) for res in good]
     grouped = group_by_seed(rows)
     if args.json:
-        print(json.dumps({"runs": [{k: v for k, v in r.items() if k != "config"} for r in rows],
-                          "over_seeds": grouped,
+        def plain(table):  # the setting label instead of the whole config; fractions
+            labels = setting_labels([r.get("config", {}) for r in table])
+            return [{**as_fractions({k: v for k, v in r.items() if k != "config"}),
+                     "setting": label} for r, label in zip(table, labels)]
+
+        print(json.dumps({"units": JSON_UNITS, "runs": plain(rows), "over_seeds": plain(grouped),
                           "damaged": [{"path": str(d.path), "reason": d.reason}
-                                      for d in damaged]}, indent=2))
+                                      for d in damaged], "notes": notes}, indent=2))
     else:
         print(format_table(rows))
-        if len(grouped) < len(rows):  # some runs differ only in their seed
+        if 0 < len(grouped) < sum(bool(r["evals"]) for r in rows):  # some differ only in seed
             print("\nover seeds (mean ± sample std):\n" + format_table(grouped))
         if damaged:
             print("\n" + "\n".join(damaged_lines(damaged)))
+        for note in notes:
+            print("\n" + note)
     if damaged:
         raise DamagedResults(damaged)
     return 0
 
 
-def _results_files(paths: list[str]) -> list[Path]:
+def _results_files(paths: list[str]) -> tuple[list[Path], list[str]]:
     """``mpifl report A B ...``: results files as given; a sweep (or ``--seeds``) folder gives
-    the results its index lists that exist, any other folder the ``*.h5`` files in it (a
-    missing, damaged or foreign one among them is named by the reader, never left out).
+    the results its index lists that exist (a ``--seeds`` folder: of the seeds its seeds.toml
+    lists, with a note on the others), any other folder the ``*.h5`` files in it (a damaged or
+    foreign one among them is named by the reader, never left out).
+
+    Returns:
+        The files, and the ``--seeds`` folders' notes on the runs they leave out.
 
     Raises:
-        MpiflError: a path that does not exist, or a folder without results.
+        MpiflError: a folder without results.
     """
-    from mpifl.sweep.plan import INDEX, read_index
+    from mpifl.store.sweep_index import listed_runs
+    from mpifl.sweep.plan import INDEX
 
     out: list[Path] = []
+    notes: list[str] = []
     for p in map(Path, paths):
         if not p.is_dir():
-            out.append(p)  # summarise names a missing or foreign file in one line
+            out.append(p)  # summarise names a foreign file in one line
             continue
         if (p / INDEX).is_file():
-            found = [p / r["results"] for r in read_index(p)["runs"].values()]
-            found = [f for f in found if f.is_file()]
+            runs, note = listed_runs(p)
+            found = [f for f in (p / r["results"] for r in runs.values()) if f.is_file()]
+            notes += [note] if note else []
         else:
             found = sorted(f for f in p.glob("*.h5") if f.is_file())
         if not found:
             raise MpiflError(f"{p}: a folder without results files (*.h5) or sweep runs")
         out.extend(found)
-    return out
+    return out, notes
 
 
 def cmd_reproduce(args: argparse.Namespace) -> int:
@@ -234,7 +256,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_sharded(args: argparse.Namespace) -> int:
-    """``mpiexec -n P mpifl bench aggregation --shards P``: every rank one shard; rank 0
+    """``mpiexec -n P python -m mpifl bench aggregation --shards P``: every rank one shard; rank 0
     prints and writes."""
     from mpifl.bench.sharded import bench_sharded, format_sharded, write_sharded_hdf5
     from mpifl.runtime.comm import world
@@ -285,33 +307,56 @@ def _check_bench_out(path: str) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """``mpifl check RULE``: does the rule resume exactly from its state_dict()? 0 yes, 1 no."""
-    from mpifl.aggregators import rule as rule_class
-    from mpifl.bench.statecheck import check_rule_state
-    from mpifl.core.registry import UnknownName
+    """``mpifl check RULE``: does the rule resume exactly from its state_dict()? 0 yes, 1 no,
+    2 bad arguments, 5 (:data:`EXIT_CHECK_NOT_RUN`) the check could not run (the rule raised)."""
+    from mpifl.bench.statecheck import check_rounds, check_rule_state
+    from mpifl.core.errors import EXIT_CHECK_NOT_RUN
 
+    try:  # before any plugin is imported or any round is made
+        check_rounds(args.rounds, args.split)
+    except ValueError as exc:
+        raise MpiflError(f"check: {exc}") from None
     _load_plugins(args.plugins)
+    names = args.rules.split(",")
+    params = _check_params(names, args.set)
+    verdicts = []
+    for name in names:
+        res = check_rule_state(name, rounds=args.rounds, split=args.split, params=params)
+        if res.error:  # no verdict: the rule raised
+            print(f"mpifl: error: check: {res.line()}", file=sys.stderr)
+        else:
+            print(res.line())
+        verdicts.append(EXIT_CHECK_NOT_RUN if res.error else int(not res.ok))
+    return max(verdicts)
+
+
+def _check_params(names: list[str], items: list[str]) -> dict:
+    """``mpifl check --set KEY=VALUE``: the rules' own keys, values read as ``mpifl run``'s
+    ``--set`` values, validated by every rule named.
+
+    Raises:
+        MpiflError: a malformed item, an unknown rule, or a key or value a rule refuses.
+    """
+    from mpifl.aggregators import rule as rule_class
     from mpifl.experiment.config import parse_override
 
     params = {}
-    for item in args.set:  # the rule's own keys, parsed as mpifl run's --set values
+    for item in items:
+        key = item.partition("=")[0].strip()
+        if "=" not in item or not key:
+            raise MpiflError(f"check: --set {item!r}: expected KEY=VALUE, a key of the rule's "
+                             f"table, e.g. --set tau=2")
         (_, key), value = parse_override(f"rule.{item}")
         params[key] = value
-    names = args.rules.split(",")
     for name in names:
         try:
             rule_class(name).validate_params(params)
-        except (LookupError, UnknownName) as exc:
+        except LookupError as exc:  # UnknownName: unknown rule or import path
             raise MpiflError(f"check: {exc}") from None
-        except ValueError as exc:  # pydantic's ValidationError: a bad --set, in one line
+        except (TypeError, ValueError) as exc:  # an unknown key; a value refused (pydantic)
             first = (str(exc).splitlines() or [""])[0]
             raise MpiflError(f"check: {first}") from None
-    failed = 0
-    for name in names:
-        res = check_rule_state(name, rounds=args.rounds, split=args.split, params=params)
-        print(res.line())
-        failed += not res.ok
-    return 1 if failed else 0
+    return params
 
 
 def cmd_data_fetch(args: argparse.Namespace) -> int:
@@ -341,8 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue from the newest valid checkpoint if there is one, else start")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--seeds", metavar="SEEDS",
-                   help="run once per seed (0-4 or 0,2,5) as a local sweep; --out is then its "
-                        "folder (default runs/sweeps/<name>-seeds); prints mean ± std over seeds")
+                   help="run once per seed as a local sweep: N runs N seeds 0..N-1 (3: seeds "
+                        "0, 1, 2); a range 0-4 or a list 0,2,5 runs those seeds (one given "
+                        "seed: 5, with its comma; a single run: --set run.seed=5 without "
+                        "--seeds); --out is then its folder (default runs/sweeps/<name>-seeds); "
+                        "prints mean ± std over exactly these seeds")
     r.add_argument("--ranks", type=int, default=1,
                    help="with --seeds: MPI ranks of each run (default 1)")
     r.add_argument("--log", action="append", default=[], metavar="LOGGER",
@@ -362,7 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("runs", nargs="+", help="results files (.h5), or one sweep folder")
     rep.add_argument("--last", type=int, default=3, metavar="K",
                      help="average each run's last K evaluations (default 3)")
-    rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rep.add_argument("--json", action="store_true",
+                     help="print JSON instead of a table: accuracies, std, worst/best 5%% and "
+                          "cf as fractions in [0, 1], as in the results files (the table: "
+                          "percent and percentage points)")
     rep.set_defaults(func=cmd_report)
 
     rp = sub.add_parser("reproduce", help="run the papers' reproduction suites (jobs/repro) "
@@ -446,14 +497,17 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=cmd_bench)
 
     c = sub.add_parser("check", help="does a rule resume exactly from its state_dict()? "
-                                     "(exit 0 yes, 1 no: the state it keeps undeclared is named)")
+                                     "(exit 0 yes; 1 no: the state it keeps undeclared is named; "
+                                     "2 bad arguments; 5 the check could not run: the rule "
+                                     "raised, named in one line)")
     c.add_argument("rules", help="rule name(s), comma-separated, or 'pkg.module:Class'")
     c.add_argument("--plugins", metavar="MODULE[,MODULE]", help="import these modules first")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a hyper-parameter of the rule (its table's key); repeatable")
-    c.add_argument("--rounds", type=int, default=6, help="rounds run (default 6)")
+    c.add_argument("--rounds", type=int, default=6, help="rounds run, 2 to 10,000 (default 6)")
     c.add_argument("--split", type=int, default=3,
-                   help="the state moves to a fresh instance after this round (default 3)")
+                   help="the state moves to a fresh instance after this round, 1 to "
+                        "rounds - 1 (default 3)")
     c.set_defaults(func=cmd_check)
 
     d = sub.add_parser("data", help="datasets")

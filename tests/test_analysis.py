@@ -124,7 +124,7 @@ def test_report_averages_last_evaluations_and_seeds(runs, capsys):
     import json
 
     out = json.loads(capsys.readouterr().out)
-    last2 = [100 * read_results(p)["eval"]["worst5"][-2:].mean() for p in (a, b)]
+    last2 = [read_results(p)["eval"]["worst5"][-2:].mean() for p in (a, b)]  # fractions
     assert [r["worst5"] for r in out["runs"]] == pytest.approx(last2)
     (g,) = out["over_seeds"]
     assert g["seeds"] == 2 and g["worst5"] == pytest.approx(np.mean(last2))

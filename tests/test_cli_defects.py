@@ -50,7 +50,7 @@ def test_sweep_report_without_matplotlib(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(small_fmnist_job("nomp", seed=0, rounds=2, eval_every=1, checkpoint_every=0,
                                     partition='partition = "shards"', algorithm="fedavg"))
-    assert main(["run", str(job), "--seeds", "0", "--out", str(tmp_path / "s")]) == 0
+    assert main(["run", str(job), "--seeds", "1", "--out", str(tmp_path / "s")]) == 0
     code = ("import sys; sys.modules['matplotlib'] = None; from mpifl.cli import main; "
             f"sys.exit(main(['report', {str(tmp_path / 's')!r}]))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -91,7 +91,7 @@ def test_seeds_runs_one_sweep_run_per_seed(job, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("text,seeds", [("0-4", [0, 1, 2, 3, 4]), ("0,2,5", [0, 2, 5]),
-                                        ("7", [7]), ("0-1, 9", [0, 1, 9])])
+                                        ("7,", [7]), ("3", [0, 1, 2]), ("0-1, 9", [0, 1, 9])])
 def test_parse_seeds(text, seeds):
     assert parse_seeds(text) == seeds
 

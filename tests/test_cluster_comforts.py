@@ -5,6 +5,7 @@ under real ``mpiexec``, real SIGKILLs and real files."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -118,7 +119,8 @@ def test_wall_time_checkpoints_and_progress_lines_under_mpiexec(tmp_path):
     job = _job(tmp_path, "checkpoint_minutes = 0.0001\nprogress_every_s = 0.0001")
     out = tmp_path / "timed.h5"
     proc = run(3, "run", str(job), "--out", str(out))
-    lines = [x for x in proc.stderr.splitlines() if "progress: round" in x]
+    # the lines after a round ("round r/R (p%)"), not those inside a phase ("round r/R, training")
+    lines = [x for x in proc.stderr.splitlines() if re.search(r"progress: round \d+/\d+ \(", x)]
     assert len(lines) >= 25 and "progress: round 30/30 (100%)" in lines[-1]
     assert all("s/round, ETA" in x and "GB/rank" in x for x in lines)
     assert any("mean acc" in x for x in lines[10:])  # the last evaluation's metrics ride along

@@ -183,10 +183,12 @@ def test_empty_missing_and_non_hdf5_files_are_named(sweep, tmp_path):
     expected = ((folder / "empty.h5", "empty: 0 bytes)"),
                 (folder / "half.h5", f"truncated: {len(raw) // 2 - 512} of {len(raw) - 512} "),
                 (folder / "notes.h5", "not an HDF5 file, so not an mpifl results file)"))
-    missing = (tmp_path / "missing.h5", "no such results file)")
-    proc = mpifl("report", folder, missing[0], code=2)  # a folder and a file that is not there
-    error_line(proc, *expected, missing)
+    proc = mpifl("report", folder, code=2)
+    error_line(proc, *expected)
     assert proc.stdout.splitlines()[0].split() == ["metric", "good"]
+    missing = tmp_path / "missing.h5"  # not there: named as such, not as damaged, nothing read
+    proc = mpifl("report", folder, missing, code=2)
+    assert proc.stderr.startswith(f"mpifl: error: no such file: {missing} (") and not proc.stdout
     error_line(mpifl("export", folder / "good.h5", folder / "empty.h5", folder / "half.h5",
                      folder / "notes.h5", "--csv", tmp_path / "t", code=2), *expected)
     # a sweep whose seed-1 file was truncated to nothing

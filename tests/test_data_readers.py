@@ -255,20 +255,19 @@ def test_cifar_damaged_files(tmp_path):
 
 @pytest.fixture
 def isolated_roots(tmp_path, monkeypatch):
-    """HOME, $MPIFL_DATA and the system root all point into tmp_path."""
+    """HOME and the system root point into tmp_path; $MPIFL_DATA is unset."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("MPIFL_DATA", str(tmp_path / "env"))
+    monkeypatch.delenv("MPIFL_DATA", raising=False)
     monkeypatch.setattr(roots, "SYSTEM_ROOT", tmp_path / "sys")
     return tmp_path
 
 
-def test_missing_dataset_lists_every_path(isolated_roots):
+def test_missing_dataset_lists_every_default_path(isolated_roots):
     t = isolated_roots
     with pytest.raises(DataError) as info:
-        load_federated("mnist", partition="iid", num_clients=2, seed=0, data_root=str(t / "arg"))
+        load_federated("mnist", partition="iid", num_clients=2, seed=0)
     msg = str(info.value)
-    expected = [t / "arg" / "mnist", t / "env" / "mnist",
-                t / "home" / ".cache" / "mpifl" / "data" / "mnist", t / "sys" / "mnist"]
+    expected = [t / "home" / ".cache" / "mpifl" / "data" / "mnist", t / "sys" / "mnist"]
     positions = [msg.index(str(p)) for p in expected]
     assert positions == sorted(positions), "paths must be listed in search order"
     assert "mpifl data fetch mnist" in msg and "\n" not in msg
@@ -280,16 +279,34 @@ def test_missing_fashion_mnist_mentions_debian_package(isolated_roots):
         roots.find_dataset_dir("fashion_mnist")
 
 
-def test_root_search_order_and_incomplete_folders(isolated_roots):
+def test_default_roots_in_order_and_incomplete_folders_skipped(isolated_roots):
     t = isolated_roots
+    cache = t / "home" / ".cache" / "mpifl" / "data" / "mnist"
+    write_mnist_like(cache, 3, 2)
+    write_mnist_like(t / "sys" / "mnist", 3, 2)
+    assert roots.find_dataset_dir("mnist") == cache
+    (cache / "t10k-labels-idx1-ubyte").unlink()  # incomplete: the next default root
+    assert roots.find_dataset_dir("mnist") == t / "sys" / "mnist"
+
+
+def test_a_named_root_is_the_only_one_searched(isolated_roots, monkeypatch):
+    t = isolated_roots
+    write_mnist_like(t / "sys" / "mnist", 3, 2)  # a default root that would have it
     write_mnist_like(t / "env" / "mnist", 3, 2)
-    write_mnist_like(t / "home" / ".cache" / "mpifl" / "data" / "mnist", 3, 2)
+    monkeypatch.setenv("MPIFL_DATA", str(t / "env"))
     assert roots.find_dataset_dir("mnist") == t / "env" / "mnist"
-    # an incomplete folder earlier in the order is skipped
-    (t / "env" / "mnist" / "t10k-labels-idx1-ubyte").unlink()
-    assert roots.find_dataset_dir("mnist") == t / "home" / ".cache" / "mpifl" / "data" / "mnist"
     write_mnist_like(t / "arg" / "mnist", 3, 2)
-    assert roots.find_dataset_dir("mnist", t / "arg") == t / "arg" / "mnist"
+    assert roots.find_dataset_dir("mnist", t / "arg") == t / "arg" / "mnist"  # before the env
+    (t / "env" / "mnist" / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DataError) as info:  # incomplete: named, never a fall-back
+        roots.find_dataset_dir("mnist")
+    assert f"$MPIFL_DATA {t / 'env'}: {t / 'env' / 'mnist'} lacks t10k-labels-idx1-ubyte" \
+        in str(info.value)
+    with pytest.raises(DataError, match="data.data_root is .*nowhere, which does not exist"):
+        roots.find_dataset_dir("mnist", t / "nowhere")
+    monkeypatch.setenv("MPIFL_DATA", str(t / "gone"))
+    with pytest.raises(DataError, match=r"\$MPIFL_DATA is .*gone, which does not exist"):
+        roots.find_dataset_dir("mnist")
 
 
 # ----------------------------------------------------------------------------- real data

@@ -1,4 +1,4 @@
-"""The sharded server's aggregation cost (``mpiexec -n P mpifl bench aggregation --shards P``).
+"""The sharded server's aggregation cost (``mpiexec -n P python -m mpifl bench aggregation --shards P``).
 
 Every rank of MPI_COMM_WORLD is one shard (issue 14, :mod:`mpifl.runtime.sharding`): it builds
 only its column block of the synthetic client updates (so the inputs never exist whole on one

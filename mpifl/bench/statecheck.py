@@ -4,7 +4,8 @@ A rule that keeps something between rounds (momentum, multipliers, a history, co
 return it from ``state_dict()`` and take it back in ``load_state_dict()``; otherwise a resumed
 run continues from a different state and silently ends elsewhere (a FedAdam plugin that forgot
 its moments finished at 23.9% instead of 35.2% in issue 26). The check runs the rule on
-synthetic rounds (the inputs of ``mpifl bench aggregation``, with the extras the rule needs),
+synthetic rounds (the inputs of ``mpifl bench aggregation``, with the extras the rule needs,
+each round made when it is aggregated),
 hands its state after ``split`` rounds through an HDF5 round trip (as a checkpoint does) to a
 fresh instance, and lets both aggregate the remaining rounds:
 
@@ -19,19 +20,19 @@ Use it in a rule's tests (``assert check_rule_state("my_rule").ok``) or from the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from mpifl.aggregators import ObservesParams
+from mpifl.aggregators import ObservesParams, RoundUpdates
 from mpifl.aggregators import rule as rule_class
-from mpifl.bench.aggregation import _Inputs, _takes, extras_for
+from mpifl.bench.aggregation import Extras, _Inputs, _takes, extras_for
 from mpifl.store.checkpoint import state_round_trip
 
-__all__ = ["StateCheck", "check_rule_state"]
+__all__ = ["MAX_ROUNDS", "StateCheck", "check_rounds", "check_rule_state"]
 
 
 @dataclass
@@ -75,6 +76,11 @@ class StateCheck:
                 f"{self.rounds - self.split} rounds compared after round {self.split})")
 
 
+#: The most rounds :func:`check_rule_state` runs (each round is made when it is aggregated, so
+#: memory does not grow with them; this bounds the time: a few seconds for any built-in rule).
+MAX_ROUNDS = 10_000
+
+
 def check_rule_state(name: str, *, rounds: int = 6, split: int = 3, m: int = 6, d: int = 48,
                      seed: int = 0, params: Mapping[str, Any] | None = None) -> StateCheck:
     """Run rule ``name`` ``rounds`` rounds and check that a copy restored from its
@@ -82,34 +88,37 @@ def check_rule_state(name: str, *, rounds: int = 6, split: int = 3, m: int = 6, 
 
     Args:
         name: a registered rule or ``"pkg.module:Class"``.
-        rounds, split: 1 <= split < rounds.
+        rounds, split: 1 <= split < rounds <= :data:`MAX_ROUNDS`.
         m, d: clients per round and model size of the synthetic rounds.
         params: the rule's hyper-parameters (its ``Params``), besides what the check sets
             (``seed``, ``num_clients`` and the inputs the rule asks for:
             :func:`mpifl.bench.aggregation.extras_for`).
 
+    Returns:
+        The :class:`StateCheck`; an exception of the rule (built, aggregating, saving or
+        restoring its state) is its ``error``, not raised.
+
     Raises:
         ValueError: ``split`` or ``rounds`` out of range. LookupError: an unknown rule.
     """
-    if not 1 <= split < rounds:
-        raise ValueError(f"need 1 <= split < rounds, got split={split}, rounds={rounds}")
+    check_rounds(rounds, split)
     cls = rule_class(name)
-    ex = extras_for(cls)
-    data, K = _Inputs(m, d, rounds - 1, torch.device("cpu"), seed).rounds(ex, rounds - 1)
-    kwargs = dict(ex.params, **(params or {}), seed=seed)
-    if cls.needs.num_clients or _takes(name, "num_clients"):
-        kwargs["num_clients"] = K
     result = StateCheck(name, rounds, split)
     try:
+        ex = extras_for(cls)  # the rule's bench_inputs(): its own code
+        kwargs = dict(ex.params, **(params or {}), seed=seed)
+        if cls.needs.num_clients or _takes(name, "num_clients"):
+            kwargs["num_clients"] = m if ex.all_clients else rounds * m
+        data = _rounds(ex, m, d, rounds, seed)
         a = cls(**kwargs)
         w = torch.zeros(d)
-        for r in data[:split]:
+        for _, r in zip(range(split), data):
             w = _step(a, r, w)
         state = a.state_dict()
         result.state_keys = sorted(state)
         b = cls(**kwargs)
         b.load_state_dict(state_round_trip(state))
-        for r in data[split:]:
+        for r in data:
             w_a, w_b = _step(a, r, w), _step(b, r, w)
             result.step_diff = max(result.step_diff, float((w_a - w_b).abs().max()))
             w = w_a
@@ -117,8 +126,34 @@ def check_rule_state(name: str, *, rounds: int = 6, split: int = 3, m: int = 6, 
             result.undeclared = _differences(vars(a), vars(b))
     except Exception as exc:  # noqa: BLE001 -- a plugin's rule may raise anything
         first = (str(exc).strip().splitlines() or [""])[0]
-        result.error = f"{type(exc).__name__}: {first}"
+        result.error = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return result
+
+
+def check_rounds(rounds: int, split: int) -> None:
+    """Raise ValueError (one line, naming the option) unless 1 <= split < rounds <=
+    :data:`MAX_ROUNDS`."""
+    if not 2 <= rounds <= MAX_ROUNDS:
+        raise ValueError(f"--rounds {rounds}: expected 2 to {MAX_ROUNDS:,} (the state moves after "
+                         f"--split rounds and at least one round follows)")
+    if not 1 <= split < rounds:
+        raise ValueError(f"--split {split}: expected 1 to {rounds - 1} (at least one round "
+                         f"before the state moves and one after, of --rounds {rounds})")
+
+
+def _rounds(ex: Extras, m: int, d: int, rounds: int, seed: int) -> Iterator[RoundUpdates]:
+    """The synthetic rounds 0..rounds-1, each made when it is aggregated (memory O(m d), not
+    O(rounds m d)): round t's updates from its own key, its stats columns from one shared
+    :class:`~mpifl.bench.aggregation._Inputs` (keyed by t; a state column stays the same),
+    client ids t*m .. (t+1)*m - 1 (0 .. m-1 every round for a rule that needs all clients)."""
+    cpu = torch.device("cpu")
+    shared = _Inputs(m, d, 0, cpu, seed)
+    for t in range(rounds):
+        key = int(np.random.SeedSequence([seed, t]).generate_state(1)[0])
+        (r,), _ = _Inputs(m, d, 0, cpu, key).rounds(ex, 0)
+        ids = np.arange(m) if ex.all_clients else np.arange(t * m, (t + 1) * m)
+        stats = {k: shared.stat(k, shape, t) for k, shape in ex.stats.items()}
+        yield replace(r, round=t, client_ids=ids, stats=stats)
 
 
 def _step(agg, r, w: torch.Tensor) -> torch.Tensor:

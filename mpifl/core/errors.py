@@ -13,6 +13,11 @@ EXIT_BAD_INPUT = 2
 #: (status 2, bad input, they do not).
 EXIT_PEER_LOST = 4
 
+#: Exit status of ``mpifl check`` when the check could not run (the rule raised while it was
+#: built, aggregated or restored): there is no verdict, unlike status 1 (the rule does not
+#: resume exactly) or 0 (it does).
+EXIT_CHECK_NOT_RUN = 5
+
 
 class MpiflError(Exception):
     """Base class: a one-line, user-facing problem (exit status 2)."""

@@ -1,9 +1,15 @@
-"""Where datasets live on disk: the search order of data roots and each dataset's folder.
+"""Where datasets live on disk: the data roots searched and each dataset's folder.
 
-A dataset is found in the first root, in this order, whose dataset folder holds all its files:
+A root the user names is the only one searched, and must hold the dataset:
 
-1. the ``data_root`` argument (``data.data_root`` in a config),
-2. ``$MPIFL_DATA``,
+1. the ``data_root`` argument (``data.data_root`` in a config), else
+2. ``$MPIFL_DATA``.
+
+A named root that does not exist, or whose dataset folder lacks a file, is an error naming the
+root, the setting and what is missing there, never a fall-back to another root (the run would
+read other data than the one asked for). With neither set, the dataset is found in the first
+of the default roots whose folder holds all its files:
+
 3. ``~/.cache/mpifl/data`` (where ``mpifl data fetch`` puts downloads),
 4. ``/usr/share/datasets`` (Debian's ``dataset-fashion-mnist`` installs there).
 """
@@ -53,17 +59,74 @@ def default_cache_root() -> Path:
     return Path.home() / ".cache" / "mpifl" / "data"
 
 
+def named_root(data_root: str | os.PathLike | None = None) -> tuple[Path, str] | None:
+    """The root the user named and the setting that named it: ``data_root``
+    (``"data.data_root"``), else ``$MPIFL_DATA``; None when neither is set (or empty)."""
+    if data_root is not None and str(data_root) != "":
+        return Path(data_root).expanduser(), "data.data_root"
+    env = os.environ.get("MPIFL_DATA")
+    if env:
+        return Path(env).expanduser(), "$MPIFL_DATA"
+    return None
+
+
 def candidate_roots(data_root: str | os.PathLike | None = None) -> list[Path]:
-    """The data roots to search, in order, without duplicates (see the module docstring)."""
-    raw = [data_root, os.environ.get("MPIFL_DATA") or None, default_cache_root(), SYSTEM_ROOT]
-    roots: list[Path] = []
-    for r in raw:
-        if r is None or str(r) == "":
-            continue
-        p = Path(r).expanduser()
-        if p not in roots:
-            roots.append(p)
-    return roots
+    """The data roots to search, in order (see the module docstring): the named root alone,
+    else the default roots."""
+    named = named_root(data_root)
+    if named is not None:
+        return [named[0]]
+    return list(dict.fromkeys([default_cache_root(), SYSTEM_ROOT]))
+
+
+def find_folder(name: str, layout: DatasetLayout, data_root: str | os.PathLike | None,
+                get_it: str) -> Path:
+    """The folder of dataset ``name`` (``layout``) in the roots of :func:`candidate_roots`.
+
+    Args:
+        get_it: how to get the data, for the error message (e.g. "get it with ...").
+
+    Raises:
+        DataError: one line: a named root that does not exist, or lacks files (named), or no
+            default root that holds all of them (every folder tried listed).
+    """
+    named = named_root(data_root)
+    if named is not None:
+        return _in_named_root(name, layout, *named)
+    tried = []
+    for root in candidate_roots():
+        folder = root / layout.subdir
+        if not _missing(folder, layout):
+            return folder
+        tried.append(str(folder))
+    wanted = ", ".join(f + ("[.gz]" if layout.gz_ok else "") for f in layout.files)
+    raise DataError(f"dataset '{name}' not found: no folder holds all of {wanted}; tried "
+                    f"{', '.join(tried)}; {get_it}, or set $MPIFL_DATA / data.data_root to a "
+                    f"folder that holds {layout.subdir}/")
+
+
+def _in_named_root(name: str, layout: DatasetLayout, root: Path, setting: str) -> Path:
+    folder = root / layout.subdir
+    after = named_root(None) if setting == "data.data_root" else None  # $MPIFL_DATA's turn
+    unset = (f"or unset {setting} to use $MPIFL_DATA ({after[0]})" if after else
+             f"or unset {setting} to search {default_cache_root()} and {SYSTEM_ROOT}")
+    if not root.is_dir():
+        raise DataError(f"dataset '{name}' not found: {setting} is {root}, which does not "
+                        f"exist (so neither does {folder}); set {setting} to the folder that "
+                        f"holds {layout.subdir}/, {unset}")
+    missing = _missing(folder, layout)
+    if missing:
+        where = f"{folder} lacks {', '.join(missing)}" if folder.is_dir() else \
+            f"{root} has no folder {layout.subdir}/"
+        raise DataError(f"dataset '{name}' not found in {setting} {root}: {where}; put its files "
+                        f"in {folder} (`mpifl data fetch {name} --root {root}`), {unset}")
+    return folder
+
+
+def _missing(folder: Path, layout: DatasetLayout) -> list[str]:
+    """The files of ``layout`` that ``folder`` lacks (``name[.gz]`` where gzip is accepted)."""
+    return [f + ("[.gz]" if layout.gz_ok else "") for f in layout.files
+            if locate_file(folder, f, layout.gz_ok) is None]
 
 
 def locate_file(folder: Path, name: str, gz_ok: bool) -> Path | None:
@@ -78,27 +141,18 @@ def _how_to_get(name: str) -> str:
     hint = f"get it with `mpifl data fetch {name}`"
     if name == "fashion_mnist":
         hint += " or `apt-get install dataset-fashion-mnist`"
-    return hint + ", or set $MPIFL_DATA / data.data_root to a folder that holds it"
+    return hint
 
 
 def find_dataset_dir(name: str, data_root: str | os.PathLike | None = None) -> Path:
-    """The folder of dataset ``name`` (a key of :data:`LAYOUTS`) in the first root that has it.
+    """The folder of dataset ``name`` (a key of :data:`LAYOUTS`): in the named root, else in
+    the first default root that has it (the module docstring).
 
     Raises:
-        DataError: no root holds all the dataset's files; the message lists every folder tried
-            and how to get the data.
+        DataError: an unknown name; a named root that does not exist or lacks the dataset's
+            files (named); no default root holding them all (every folder tried listed, and
+            how to get the data).
     """
     if name not in LAYOUTS:
         raise DataError(f"dataset '{name}' is not read from disk (known: {', '.join(LAYOUTS)})")
-    layout = LAYOUTS[name]
-    tried = []
-    for root in candidate_roots(data_root):
-        folder = root / layout.subdir
-        if all(locate_file(folder, f, layout.gz_ok) for f in layout.files):
-            return folder
-        tried.append(str(folder))
-    wanted = ", ".join(f + ("[.gz]" if layout.gz_ok else "") for f in layout.files)
-    raise DataError(
-        f"dataset '{name}' not found: no folder holds all of {wanted}; tried "
-        f"{', '.join(tried)}; {_how_to_get(name)}"
-    )
+    return find_folder(name, LAYOUTS[name], data_root, _how_to_get(name))

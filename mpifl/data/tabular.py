@@ -49,9 +49,9 @@ whose every value encodes sex). Proxies remain either way (Adult's relationship 
 
 Every file is checked against its SHA-256 (:data:`SHA256`, the values :mod:`mpifl.data.fetch`
 also verifies downloads with) before it is parsed. Folders are found like the image datasets'
-(:func:`mpifl.data.roots.candidate_roots`): ``data_root``, ``$MPIFL_DATA``,
-``~/.cache/mpifl/data``, ``/usr/share/datasets``, in the subfolders ``adult/``, ``compas/``,
-``german/``.
+(:mod:`mpifl.data.roots`): in ``data_root`` or else ``$MPIFL_DATA`` alone when one is set,
+else in ``~/.cache/mpifl/data``, ``/usr/share/datasets``; in the subfolders ``adult/``,
+``compas/``, ``german/``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpifl.data.roots import DatasetLayout, candidate_roots, locate_file
+from mpifl.data.roots import DatasetLayout, find_folder
 from mpifl.core.errors import DataError
 
 TABULAR = ("adult", "compas", "german")
@@ -209,24 +209,15 @@ def feature_width(name: str, sensitive_feature: bool = True) -> int:
 # --------------------------------------------------------------------------- files
 
 def find_tabular_dir(name: str, data_root: str | os.PathLike | None = None) -> Path:
-    """The folder of ``name`` in the first data root that holds all its files.
+    """The folder of ``name`` in the data roots (:func:`mpifl.data.roots.find_folder`).
 
     Raises:
-        DataError: unknown name, or no root has the files (every folder tried is listed).
+        DataError: unknown name; a named root that does not exist or lacks the files; no
+            default root has them (every folder tried is listed).
     """
     if name not in LAYOUTS:
         raise DataError(f"unknown tabular dataset '{name}' (known: {', '.join(TABULAR)})")
-    layout, tried = LAYOUTS[name], []
-    for root in candidate_roots(data_root):
-        folder = root / layout.subdir
-        if all(locate_file(folder, f, False) for f in layout.files):
-            return folder
-        tried.append(str(folder))
-    raise DataError(
-        f"dataset '{name}' not found: no folder holds all of {', '.join(layout.files)}; tried "
-        f"{', '.join(tried)}; get it with `mpifl data fetch {name}`, or set $MPIFL_DATA / "
-        f"data.data_root to a folder that holds {layout.subdir}/"
-    )
+    return find_folder(name, LAYOUTS[name], data_root, f"get it with `mpifl data fetch {name}`")
 
 
 def sha256sum(path: Path) -> str:
@@ -266,7 +257,7 @@ def load_tabular(name: str, data_root: str | os.PathLike | None = None, *,
 
     Args:
         name: ``adult``, ``compas`` or ``german``.
-        data_root: first data root to search (then ``$MPIFL_DATA``, ...).
+        data_root: the data root (else ``$MPIFL_DATA``, else the default roots: mpifl.data.roots).
         sensitive_feature: keep the sensitive attribute's one-hot columns among the features.
 
     Returns:

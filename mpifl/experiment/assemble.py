@@ -29,6 +29,7 @@ from mpifl.experiment.plan import Plan
 from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
                           model_traits)
+from mpifl.models.losses import check_loss
 from mpifl.models.zoo import batchnorm_coordinates
 from mpifl.runtime.backends import num_groups
 from mpifl.runtime.client_state import LocalCoordinates
@@ -82,6 +83,7 @@ def build_parts(plan: Plan) -> Parts:
     m = plan.model
     loss = get_loss(m.loss)
     _check_task(plan, fed, loss)
+    check_loss(loss, fed.num_classes, None if fed.lazy else fed.y[:8])  # it trains the model
     model = build_model(m.name, fed.input_shape, loss.width(fed.num_classes), hidden=m.hidden,
                         output=m.output, seed=seed, **m.params)
     with blame([("model", m.name, MODEL_FACTORIES.get(m.name))], "check"):

@@ -18,7 +18,7 @@ the whole data set and the model, rank 0 also the server's matrices):
   known before it is loaded and counts as 0. A lazy population (``data.lazy``) holds instead
   ``LAZY_PER_CLIENT_BYTES`` a client (its sample counts and selection's (K,) temporaries) and
   the largest window it draws at once: a worker's share of the round's clients, or a streamed
-  evaluation's :data:`mpifl.runtime.backends.STREAM_SAMPLES` samples.
+  evaluation's ``run.eval_window_samples`` samples.
 - **model** (every rank): ``MODEL_COPIES`` float32 copies of the d parameters (the model, the
   initial and current flat vectors, the trainer's). d comes from the built-in model built on
   the meta device for the data set's input shape; unknown (0) for a plugin model or data set.
@@ -62,7 +62,6 @@ import torch
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
 from mpifl.data import synthetic
-from mpifl.runtime.backends import STREAM_SAMPLES
 from mpifl.data.tabular import ROW_COUNTS, SCHEMAS, TABULAR
 from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
@@ -336,7 +335,7 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
     data_bytes = (samples or 0.0) * (sample_bytes + 16.0) + PER_CLIENT_BYTES * k
     if d_cfg.lazy and samples is not None:
         per_client = samples / max(k, 1)
-        window = max(-(-m // workers) * per_client, STREAM_SAMPLES)
+        window = max(-(-m // workers) * per_client, cfg.run.eval_window_samples)
         data_bytes = LAZY_PER_CLIENT_BYTES * k + 2 * window * (sample_bytes + 16.0)
         what = (f"a lazy population of {k:,} clients, drawing up to {count_text(window)} "
                 f"samples at once")

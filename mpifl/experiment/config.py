@@ -15,13 +15,17 @@ paths ``"pkg.module:obj"``), checked against them after the plugins are loaded.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 from mpifl import aggregators
 from mpifl.clients import TRAINERS
@@ -48,18 +52,35 @@ class _Section(BaseModel):
                               allow_inf_nan=False)
 
 
+#: the shortest set-up bound accepted (run.init_timeout_s, run.setup_timeout_s): a launch
+#: starts its ranks in seconds at best (Python, torch, MPI), so less could only fail
+MIN_SETUP_BOUND_S = 5.0
+
+
+def _setup_bound(value: float) -> float:
+    if 0 < value < MIN_SETUP_BOUND_S:
+        raise PydanticCustomError(
+            "setup_bound", "must be 0 (no bound) or at least {least} s: ranks take seconds to "
+            "start, so a shorter bound ends every launch", {"least": f"{MIN_SETUP_BOUND_S:g}"})
+    return value
+
+
+SetupBound = Annotated[float, Field(ge=0.0, le=1e7), AfterValidator(_setup_bound)]
+
+
 class RunConfig(_Section):
     name: str = "run"
     # keys numpy's and torch's generators; < 2^63 so it fits an int64 attribute and torch
     seed: int = Field(0, ge=0, le=2**63 - 1)
     rounds: int = Field(100, ge=1, le=INT32_MAX)
     eval_every: int = Field(10, ge=1, le=INT32_MAX)
-    # rounds between checkpoints; not set: by wall time only (checkpoint_minutes); 0: no
-    # periodic checkpoints at all (only at the end and when stopped by a signal)
+    # rounds between checkpoints; not set: 2% of run.rounds, held back while checkpoints would
+    # take over 4% of the run's time (mpifl/runtime/schedule.py); N: every N-th round exactly;
+    # 0: no periodic checkpoints at all (only at the end and when stopped by a signal)
     checkpoint_every: int | None = Field(None, ge=0, le=INT32_MAX)
     # wall-clock minutes between checkpoints (besides checkpoint_every's rounds); 0: by rounds
     # only. Checkpoints keep the last 2, so a killed or preempted run resumes (mpifl resume)
-    checkpoint_minutes: float = Field(10.0, ge=0.0, le=1e6)
+    checkpoint_minutes: float = Field(5.0, ge=0.0, le=1e6)
     # seconds between progress lines in the log ("round r/R, s/round, ETA, peak memory, last
     # metrics"), for batch jobs where the progress bar does not show; 0 = none
     progress_every_s: float = Field(30.0, ge=0.0, le=1e7)
@@ -69,14 +90,20 @@ class RunConfig(_Section):
     # 0 = forever. Set it above the longest phase (a round's training; aggregation + evaluation
     # + checkpoint)
     peer_timeout_s: float = Field(0.0, ge=0.0, le=1e7)
-    # seconds a rank may spend in MPI_Init (every rank waits there for all the others) before it
-    # prints one line and is ended, and the launcher ends the job, which a SLURM job then
-    # launches again; 0 = forever
-    init_timeout_s: float = Field(300.0, ge=0.0, le=1e7)
+    # seconds a rank may spend in MPI_Init (every rank waits there for all the others) before
+    # the job ends with one line naming the ranks that did not reach it (mpifl.runtime.
+    # init_watch), which a SLURM job then launches again; 0 = forever, else at least
+    # MIN_SETUP_BOUND_S. Above the spread of the ranks' start-up times (imports on a slow disk)
+    init_timeout_s: SetupBound = 120.0
     # seconds a rank waits for the others at each step of set-up (plugins, config, data, model,
-    # checkpoint) before ending every rank with status 2: a rank that failed hard or was stopped
-    # there; 0 = forever. Above the slowest rank's set-up step (reading a large checkpoint)
-    setup_timeout_s: float = Field(600.0, ge=0.0, le=1e7)
+    # checkpoint) before ending every rank with status 2, rank 0 naming the ranks that did not
+    # finish it; 0 = forever, else at least MIN_SETUP_BOUND_S. Above the slowest rank's set-up
+    # step (reading a large checkpoint, building a large population)
+    setup_timeout_s: SetupBound = 180.0
+    # torch/OpenMP and BLAS threads of each rank (mpifl.runtime.threads): 0 = OMP_NUM_THREADS
+    # when set, else the cores this process may use divided among the ranks on its node. Stored
+    # in the results (attribute "threads"); a run is bit-identical only on the same count
+    threads: int = Field(0, ge=0, le=4096)
     # evaluation after local adaptation: at every evaluation each client also trains the global
     # model for this many epochs of plain local SGD on its training split (client section's
     # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
@@ -90,6 +117,10 @@ class RunConfig(_Section):
     # one, tests every client instead (a lazy population streams them through the workers in
     # windows); 0 = every evaluation is sampled
     full_eval_every: int = Field(0, ge=0, le=INT32_MAX)
+    # samples of a lazy population drawn at once in a streamed evaluation (a window); progress
+    # lines count windows and a stop signal (SIGTERM) stops an evaluation at its next window.
+    # Smaller: finer progress and a faster stop, more overhead a window
+    eval_window_samples: int = Field(2**18, ge=1, le=2**40)
 
 
 class PluginsConfig(_Section):
@@ -251,26 +282,94 @@ def schema() -> type[Config]:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``section.key=value``; the value is read as a TOML value, else taken as a string.
 
+    ``key`` may itself be dotted: a key of a nested table (``model.params.width=32`` sets
+    ``width`` in ``[model.params]``), returned as ``[section, "table.key"]``.
+
     >>> parse_override("data.classes=[0,1]")
     (['data', 'classes'], [0, 1])
+    >>> parse_override("model.params.width=32")
+    (['model', 'params.width'], 32)
+
+    Raises:
+        ConfigError: no ``=``, a key without a section (the message suggests the closest full
+            key), an empty part, or a value nested too deeply to read.
     """
     key, sep, raw = text.partition("=")
-    path = key.strip().split(".")
-    if not sep or len(path) != 2 or not all(path):
-        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. server.algorithm=fedfv")
+    parts = key.strip().split(".")
+    if not sep or not all(p.strip() for p in parts):
+        raise ConfigError(f"--set {text!r}: expected section.key=value (a key of a nested "
+                          f"table: section.table.key=value), e.g. server.algorithm=fedfv or "
+                          f"model.params.width=32")
+    parts = [p.strip() for p in parts]
+    if len(parts) == 1:
+        raise ConfigError(f"--set {text!r}: expected section.key=value; "
+                          f"{bare_key_hint(parts[0], raw.strip())}")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
-    return path, value
+    except RecursionError:
+        raise ConfigError(f"--set {key.strip()}: the value is nested too deeply") from None
+    return [parts[0], ".".join(parts[1:])], value
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML experiment file (or the defaults if ``path`` is None), apply overrides, import
-    the ``[plugins]`` modules, validate.
+def bare_key_hint(word: str, value: str = "VALUE") -> str:
+    """For a key given without its section: the closest known ``section.key`` (by the key, else
+    by the section), as ``"did you mean 'run.rounds=VALUE'?"``, else an example."""
+    sections = schema().model_fields
+    by_key: dict[str, str] = {}
+    for s, f in sections.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            for k in f.annotation.model_fields:
+                by_key.setdefault(k, f"{s}.{k}")  # the first section that has it
+    close = closest(word, list(by_key))
+    if close is None and (section := closest(word, list(sections))):
+        return f"'{word}' is not a key (did you mean a key of [{section}], '{section}.KEY'?)"
+    if close is None:
+        return f"'{word}' is not a key of any section, e.g. run.rounds=10"
+    return f"'{word}' is not a key (did you mean '{by_key[close]}={value}'?)"
 
-    Plugin folders (``plugins.path``) and the TOML file's own folder are searched for the plugin
-    modules, so a plugin beside its job file needs no installing.
+
+def _set_key(raw: dict[str, Any], path: list[str], value: Any, text: str) -> None:
+    """``raw[path[0]][path[1]]... = value``, making the tables on the way; a part that is a
+    value (not a table) in the file or the schema is refused in one line."""
+    table, model = raw, schema()
+    for i, part in enumerate(path[:-1]):
+        where = ".".join(path[:i + 1])
+        model = _subtable(model, part, where, text)
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"--set {text!r}: '{where}' holds a value, not a table; set "
+                              f"it as {where}=VALUE")
+    table[path[-1]] = value
+
+
+def _subtable(model: Any, part: str, where: str, text: str) -> Any:
+    """The schema of table ``part`` inside ``model`` (None: not known here, e.g. a free dict
+    table or a plugin's section: checked later by whatever reads it)."""
+    if model is None:
+        return None
+    field = model.model_fields.get(part)
+    if field is None:
+        return None  # an unknown key: pydantic names it, with the closest known one
+    ann = field.annotation
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    if ann is dict or getattr(ann, "__origin__", None) is dict:
+        return None
+    raise ConfigError(f"--set {text!r}: '{where}' is a value, not a table; set it as "
+                      f"{where}=VALUE")
+
+
+def load_config(path: str | Path | Mapping[str, Any] | None,
+                overrides: list[str] = ()) -> Config:
+    """Read a TOML experiment file (or the defaults if ``path`` is None; or the file's tables as
+    a mapping, from :func:`mpifl.run`), apply overrides, import the ``[plugins]`` modules,
+    validate.
+
+    Plugin folders (``plugins.path``) and the TOML file's own folder (a mapping's: the working
+    directory) are searched for the plugin modules, so a plugin beside its job file needs no
+    installing.
 
     Raises:
         ConfigError: unreadable file, TOML syntax error, a plugin that cannot be imported, unknown
@@ -278,17 +377,38 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             one line naming the key.
     """
     raw: dict[str, Any] = {}
-    if path is not None:
+    if isinstance(path, Mapping):
+        raw, path = copy.deepcopy(dict(path)), Path.cwd() / "config.toml"
+    elif path is not None:
         raw = read_toml(Path(path))
+    _check_depth(raw, f"{path}: " if path is not None else "")
     for text in overrides:
         (section, key), value = parse_override(text)
-        table = raw.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"{section}: expected a table, got {type(table).__name__}")
-        table[key] = value
+        _set_key(raw, [section, *key.split(".")], value, text)
+    _check_depth(raw, "--set ")
     if path is not None:
         _anchor_plugin_path(raw, Path(path).resolve().parent)
     return _validate(raw, [])
+
+
+#: The deepest nesting of tables and arrays a config may have (real ones have 3 or 4 levels);
+#: deeper values would exhaust the recursion of validation and of the stored JSON.
+MAX_DEPTH = 64
+
+
+def _check_depth(raw: dict[str, Any], source: str) -> None:
+    """Refuse tables or arrays nested deeper than :data:`MAX_DEPTH` (dotted table headers and
+    ``--set`` keys can nest without TOML's own limit), naming ``source`` and where."""
+    stack: list[tuple[list[str], Any]] = [([], raw)]
+    while stack:
+        where, value = stack.pop()
+        if len(where) > MAX_DEPTH:
+            shown = ".".join(where[:3])
+            raise ConfigError(f"{source}{shown}...: nested too deeply (more than {MAX_DEPTH} "
+                              f"levels of tables or arrays)")
+        items = value.items() if isinstance(value, dict) else \
+            enumerate(value) if isinstance(value, list) else ()
+        stack.extend(([*where, str(k)], v) for k, v in items)
 
 
 def _anchor_plugin_path(raw: dict[str, Any], folder: Path) -> None:
@@ -313,6 +433,8 @@ def config_from_json(text: str) -> Config:
         raw = json.loads(text)
     except ValueError as exc:
         raise ConfigError(f"stored config is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError("stored config is nested too deeply to read") from None
     if not isinstance(raw, dict):
         raise ConfigError("stored config is not a JSON object")
     return _validate(raw, [], stored=True)
@@ -346,6 +468,7 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.checkpoint_minutes",
                   "run.progress_every_s", "run.loggers",
                   "run.peer_timeout_s", "run.init_timeout_s", "run.setup_timeout_s",
+                  "run.threads",
                   "data.data_root",
                   "plugins.path",
                   "server.device", "server.shards", "client.memory_budget_mb"}
@@ -374,6 +497,9 @@ def read_toml(path: Path, what: str = "config") -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): TOML files are UTF-8") \
             from None
+    except RecursionError:  # tomllib recurses once per level of arrays and inline tables
+        raise ConfigError(f"{path}: a value nested too deeply (arrays or inline tables a few "
+                          f"hundred levels deep); flatten it") from None
 
 
 def _known_keys(loc: tuple, model: type[BaseModel]) -> list[str]:

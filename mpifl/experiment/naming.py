@@ -27,7 +27,7 @@ def run_id(params: dict[str, Any]) -> str:
     parts = []
     for key, v in params.items():
         text = "-".join(map(str, v)) if isinstance(v, list) else str(v)
-        parts.append(text if key == "server.algorithm" else key.split(".")[1] + text)
+        parts.append(text if key == "server.algorithm" else key.split(".")[-1] + text)
     rid = re.sub(r"[^A-Za-z0-9._+-]+", "-", "_".join(parts))
     return rid if plain_name(rid) else "run"
 

@@ -20,6 +20,7 @@ from mpifl.clients import TRAINERS
 from mpifl.experiment.budget import check_budget
 from mpifl.experiment.config import Config, DataConfig, ModelConfig
 from mpifl.runtime.plan import RoundPlan
+from mpifl.runtime.schedule import DEFAULT_SHARE, default_every
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ class Plan:
         device: ``server.device`` (``auto``, ``cpu`` or ``cuda``).
         shards: P, ranks 0 .. P-1 aggregate one block of the parameters each (1: rank 0 alone).
         peer_timeout_s, setup_timeout_s: the bounds of ``[run]`` (0: none).
+        threads: ``run.threads``, each rank's threads (0: decided at set-up,
+            :mod:`mpifl.runtime.threads`).
         loggers: ``run.loggers``; config: the config as a plain dict, for them.
     """
 
@@ -96,6 +99,7 @@ class Plan:
     shards: int = 1
     peer_timeout_s: float = 0.0
     setup_timeout_s: float = 0.0
+    threads: int = 0
     adapt: AdaptPlan | None = None
     meta: MetaPlan | None = None
     loggers: tuple[str, ...] = ()
@@ -116,22 +120,31 @@ def make_plan(cfg: Config) -> Plan:
     return Plan(
         rounds=RoundPlan(run.name, run.seed, run.rounds, server.clients_per_round,
                          server.sampling, client.lr, client.lr_decay, client.dropout,
-                         server.max_update_norm, run.eval_every, run.checkpoint_every,
-                         run.checkpoint_minutes, run.progress_every_s, run.adapt_epochs > 0,
-                         server.algorithm, text, run.eval_clients, run.full_eval_every),
+                         server.max_update_norm, run.eval_every, *_checkpoints(run),
+                         run.progress_every_s, run.adapt_epochs > 0,
+                         server.algorithm, text, run.eval_clients, run.full_eval_every,
+                         DEFAULT_SHARE if run.checkpoint_every is None else 0.0,
+                         eval_window_samples=run.eval_window_samples),
         rule=server.algorithm, rule_params=cfg.algorithm_params(), needs=rule.needs,
         personal=isinstance(rule, aggregators.PersonalModels), seed=run.seed, data=cfg.data, model=cfg.model,
         trainer=_trainer_plan(cfg, rule),
         optimizer=ServerOptimizerParams(server.optimizer, server.lr, server.momentum,
                                         *server.betas, server.tau),
         device=server.device, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
-        setup_timeout_s=run.setup_timeout_s,
+        setup_timeout_s=run.setup_timeout_s, threads=run.threads,
         adapt=(AdaptPlan(run.adapt_epochs, client.batch_size, client.momentum,
                          client.weight_decay, client.memory_budget_mb)
                if run.adapt_epochs else None),
         meta=(MetaPlan(cfg.fedmeta.meta_size, cfg.fedmeta.eta_meta, cfg.fedmeta.meta_sampling)
               if rule.needs.meta_step or server.meta else None),
         loggers=tuple(run.loggers), config=json.loads(text))
+
+
+def _checkpoints(run) -> tuple[int, float]:
+    """Rounds and minutes between checkpoints; ``checkpoint_every`` not set: 2% of the rounds
+    (:func:`mpifl.runtime.schedule.default_every`)."""
+    every = default_every(run.rounds) if run.checkpoint_every is None else run.checkpoint_every
+    return every, run.checkpoint_minutes
 
 
 def _trainer_plan(cfg: Config, rule) -> TrainerPlan:

@@ -13,6 +13,7 @@ every rank too (:func:`_end_all_ranks`).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import sys
@@ -34,15 +35,18 @@ from mpifl.experiment.plan import Plan, make_plan
 from mpifl.runtime.backends import LocalClients, RemoteClients
 from mpifl.runtime.agreement import Outcome, SetUp, one_line
 from mpifl.runtime.comm import launched_size, wait_idle, world
+from mpifl.runtime.installs import mismatch, this_install, venv_warning
 from mpifl.runtime.protocol import MPITransport
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.server import Server
 from mpifl.runtime.shard_comm import MPIShardCollectives
 from mpifl.runtime.sharding import ShardServer
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
+from mpifl.runtime.threads import (apply_threads, decide_threads, node_ranks, threads_line,
+                                   usable_cores)
 from mpifl.runtime.worker import serve
 from mpifl.store import checkpoint
-from mpifl.store.results import ResultsWriter, preflight, read_results
+from mpifl.store.results import LocalState, ResultsWriter, preflight, read_results
 
 log = logging.getLogger("mpifl")
 
@@ -194,7 +198,8 @@ def _plan_locked(lock: RunLock, cfg: Config | None, out: Path, mode: str,
 
 
 def run_experiment(load: Callable[[], tuple[Config | None, Path]], *, mode: str = "new",
-                   rounds: int | None = None, progress: bool = True) -> int:
+                   rounds: int | None = None, progress: bool = True,
+                   stop: StopRequest | None = None) -> int:
     """Run an experiment on all ranks of MPI_COMM_WORLD (or in this process).
 
     Args:
@@ -203,6 +208,8 @@ def run_experiment(load: Callable[[], tuple[Config | None, Path]], *, mode: str 
             ``out`` + ``.ckpt``). It imports the plugins, so a failure in it on any rank is
             agreed on like every other set-up step.
         mode: ``new``, ``overwrite`` or ``resume`` (see :func:`plan_start`).
+        stop: the stop request the rounds watch; default this process's, installed on first
+            use (:meth:`StopRequest.process`); :func:`mpifl.run` passes its own for one call.
 
     Returns:
         The exit status: 0 when every round ran, :data:`EXIT_CHECKPOINTED` (3) when SIGTERM or
@@ -213,19 +220,54 @@ def run_experiment(load: Callable[[], tuple[Config | None, Path]], *, mode: str 
             plugin (on every rank, the same message); :class:`SetupStopped` for a signal during
             set-up.
     """
-    stop = StopRequest.process()
+    stop = StopRequest.process() if stop is None else stop
     loaded = Outcome(load)
     if loaded.error is not None and launched_size() == 1:
         loaded.get()  # one process: nothing to agree on, no MPI_Init for a mistyped config
     run_cfg = loaded.value[0].run if loaded.value and loaded.value[0] else RunConfig()
     comm = world(run_cfg.init_timeout_s)  # every rank reaches MPI_Init, whatever `load` gave
     setup = SetUp(comm, run_cfg.setup_timeout_s, stop)
+    _check_installs(setup)
     cfg, out = setup.settle("plugins and config", loaded)
     lock = RunLock(out)
     try:
         return _run(setup, lock, cfg, out, mode, rounds, progress, stop)
     finally:
         lock.release()
+
+
+def _check_installs(setup: SetUp) -> None:
+    """Every rank runs the same mpifl from the same place under the same Python; rank 0 logs
+    which.
+
+    Raises:
+        MpiflError: on every rank, naming the ranks of each install
+            (:func:`mpifl.runtime.installs.mismatch`).
+    """
+    installs = setup.allgather("installs", this_install())
+    if line := mismatch(installs):  # the same list, so the same verdict, on every rank
+        raise MpiflError(line)
+    if setup.rank == 0:
+        log.info("mpifl %s from %s, python %s %s, on %s", installs[0][1], installs[0][0],
+                 installs[0][2], installs[0][3],
+                 f"all {setup.size} ranks" if setup.size > 1 else "one process")
+        if warning := venv_warning(installs[0]):
+            log.warning(warning)
+
+
+def _set_threads(setup: SetUp, plan: Plan) -> list[int] | None:
+    """Decide and set every rank's threads (:mod:`mpifl.runtime.threads`) before anything
+    heavy runs; rank 0 logs them in one line. Each rank's count on rank 0, None elsewhere."""
+    on_node, sharing = setup.together("ranks on this node", node_ranks)
+    with setup.stage("threads"):
+        threads = decide_threads(plan.threads, os.environ.get("OMP_NUM_THREADS"),
+                                 usable_cores(), on_node, sharing)
+        apply_threads(threads.count)
+    chosen = setup.gather("threads", (torch.get_num_threads(), threads.why))  # as set
+    if chosen is None:
+        return None
+    log.info(threads_line(chosen))
+    return [count for count, _ in chosen]
 
 
 def _run(setup: SetUp, lock, cfg, out, mode, rounds, progress, stop) -> int:
@@ -251,6 +293,7 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
     the rounds and the others train (:func:`mpifl.runtime.worker.serve`)."""
     rank, size = setup.rank, setup.size
     trains = rank > 0 or size == 1
+    threads = _set_threads(setup, plan)
     with setup.stage("device"):
         device = device_for(plan, rank)
     with setup.stage("data and model"):
@@ -269,7 +312,8 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
     if size == 1:
         clients = LocalClients(trainer, parts.fed, device, adapter)
         try:
-            return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress)
+            return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress,
+                                 threads=threads)
         except MpiflError:
             raise
         except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
@@ -284,7 +328,7 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
         if rank == 0:
             clients = RemoteClients(transport, parts.fed, device)
             return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress,
-                                 shard)
+                                 shard, threads=threads)
         if shard is not None:
             log.info("rank %d: shard %d of %d, parameters [%d, %d)", rank, shard.group.index,
                      shard.group.size, shard.group.lo, shard.group.hi)
@@ -366,7 +410,7 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
 
 
 def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, stop, progress,
-                  shard=None) -> int:
+                  shard=None, threads: list[int] | None = None) -> int:
     """Rank 0: the server's parts, restored from the checkpoint when resuming, then the rounds;
     the results file is finished only when every round ran."""
     own = server_parts(plan, parts, device, start.ckpt, shard)
@@ -384,6 +428,7 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
                            clients=_client_table(parts.fed))
     path, why = own.trainer_path
     writer.attrs["trainer"] = path  # what client.trainer = "auto" chose, for the record
+    writer.attrs["threads"] = np.asarray(threads, np.int64)  # each rank's, for the record
     log.info("local training: %s trainer (%s), loss %s", path, why, parts.loss.name)
     loggers = LoggerSet(list(plan.loggers), out, plan.config, first)
     try:
@@ -394,7 +439,9 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]
-            writer.finish(w.detach().cpu().numpy(), layers)
+            local = (None if own.local is None else  # FedBN's rows: /clients/local_state
+                     LocalState.of(own.local.rows.numpy(), own.local.index, parts.layout))
+            writer.finish(w.detach().cpu().numpy(), layers, local)
         code = 0 if finished else EXIT_CHECKPOINTED
         clients.stop(code)  # only on success: after a failure the job is aborted instead
     except BaseException:

@@ -24,14 +24,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mpifl.core.blame import blame
 from mpifl.core.errors import ConfigError
 from mpifl.core.registry import Registry
 
-__all__ = ["LOSSES", "Loss", "get_loss"]
+__all__ = ["LOSSES", "Loss", "check_loss", "get_loss"]
 
 Task = Literal["classification", "regression"]
 
@@ -129,6 +131,50 @@ def get_loss(name: str) -> Loss:
         obj = LOSSES.get(name)
     except LookupError as exc:
         raise ConfigError(f"model.loss: {exc}") from None
+    except TypeError:  # the registry's check: an import path to something else
+        raise ConfigError(f"model.loss: '{name}' is not callable: name a "
+                          f"mpifl.models.losses.Loss or a function fn(out, y) -> (batch,) "
+                          f"per-sample losses") from None
+    except ValueError as exc:  # the path clashes with a registered name
+        raise ConfigError(f"model.loss: '{name}': {exc}") from None
     if isinstance(obj, Loss):
         return obj
     return Loss(name, obj, predict=_argmax, positive=_softmax_positive)
+
+
+def check_loss(loss: Loss, num_classes: int, y: np.ndarray | Tensor | None = None) -> None:
+    """Refuse, at set-up, a loss that does not depend on the model's output: its gradient
+    with respect to the output, hence to the model, would be zero at every step and the run
+    would train nothing (quietly: the loss is finite).
+
+    The loss is evaluated, by autograd, on outputs ``(b, loss.width(num_classes))`` drawn at
+    scales from 0.01 to 100 (so a loss of logits and one of probabilities both meet points
+    where they are differentiable) against targets ``y``: it depends on the output when any
+    gradient entry is non-zero (NaN counts as non-zero: not this check's business).
+
+    Args:
+        loss: the run's loss. num_classes: the data set's classes (or regression targets).
+        y: (b,) or (b, T) targets of b >= 1 of the data set's samples; None: 8 class labels
+            0, 1, ... mod ``num_classes`` (a lazy population, whose samples are drawn later).
+
+    Raises:
+        ConfigError: ``model.loss: 'name' does not depend on the model's output ...``.
+        PluginFailure: a user loss that raises on these outputs (:mod:`mpifl.core.blame`).
+    """
+    y = torch.arange(8) % int(num_classes) if y is None else torch.as_tensor(y)
+    width = loss.width(num_classes)
+    b = int(y.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-2, 2, b).unsqueeze(1)
+    out = (torch.randn(b, width, generator=gen) * scale).requires_grad_()
+    with torch.enable_grad(), blame([("loss", loss.name, loss)], "check"):
+        value = loss.per_sample(out, y)
+        depends = isinstance(value, Tensor) and value.requires_grad
+        if depends:
+            (grad,) = torch.autograd.grad(value.sum(), out, allow_unused=True)
+            depends = grad is not None and bool((grad != 0).any())
+    if not depends:
+        raise ConfigError(f"model.loss: '{loss.name}' does not depend on the model's output "
+                          f"(its gradient with respect to the output is zero, or it is not "
+                          f"computed from the output), so training would never change the "
+                          f"model; compute the per-sample loss from `out` without detaching it")

@@ -40,7 +40,7 @@ from torch import nn
 from mpifl.core.blame import blame
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import buffer_names
-from mpifl.core.registry import Registry
+from mpifl.core.registry import Registry, closest
 
 #: The built-in models (ALGORITHMS.md §9).
 MODELS = ("logreg", "mlp", "cnn_mnist", "cnn_cifar")
@@ -104,6 +104,7 @@ def build_model(
         raise ConfigError(f"the model's output width must be at least 1, got {num_classes}")
     if "hidden" in inspect.signature(factory).parameters:
         params = {"hidden": tuple(hidden), **params}
+    _check_params(name, factory, params)
     # Module constructors draw from the global CPU generator: fork it so that the caller's
     # random stream is exactly as before, and seed only the forked copy.
     with torch.random.fork_rng(devices=[]):
@@ -119,6 +120,27 @@ def build_model(
     with blame([("model", name, factory)], "check"):
         check_model(model, shape, int(num_classes), name)
     return model.eval()
+
+
+def _check_params(name: str, factory: object, params: dict[str, Any]) -> None:
+    """Each ``[model.params]`` key a keyword of the factory (unless it takes ``**kwargs``), so a
+    mistyped key is named with the closest one instead of ignored or raised from inside."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # a callable without a signature: its own call decides
+        return
+    taken = sig.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in taken):
+        return
+    known = [p.name for p in list(taken)[2:]  # after (input_shape, num_classes)
+             if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "seed"]
+    for key in params:
+        if key not in known:
+            close = closest(key, known)
+            hint = f" (did you mean 'model.params.{close}'?)" if close else ""
+            raise ConfigError(f"unknown key 'model.params.{key}'{hint}: model '{name}' takes "
+                              f"no parameter '{key}' (its parameters: "
+                              f"{', '.join(known) or 'none'})")
 
 
 def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
@@ -233,19 +255,27 @@ def batchnorm_coordinates(model: nn.Module, layout, mode: str) -> np.ndarray:
             running statistics only, as SiloBN, Andreux et al., MICCAI DART 2020).
 
     Returns:
-        (s,) int64 ascending positions into w (empty for ``"global"`` or a model without
-        BatchNorm).
+        (s,) int64 ascending positions into w (empty for ``"global"``).
+
+    Raises:
+        ConfigError: an unknown mode, or a local mode for a model without BatchNorm (the
+            setting would do nothing).
     """
     if mode not in BATCHNORM_MODES:
         raise ConfigError(f"model.batchnorm: unknown mode {mode!r}; choose "
                           f"{', '.join(BATCHNORM_MODES)}")
     names = set()
     if mode != "global":
-        for prefix, module in model.named_modules():
-            if isinstance(module, nn.modules.batchnorm._NormBase):
-                kinds = ("running_mean", "running_var") + (("weight", "bias") if mode == "local"
-                                                           else ())
-                names.update(f"{prefix}.{k}" if prefix else k for k in kinds)
+        norms = [(prefix, module) for prefix, module in model.named_modules()
+                 if isinstance(module, nn.modules.batchnorm._NormBase)]
+        if not norms:
+            raise ConfigError(f"model.batchnorm = {mode!r}: the model has no BatchNorm layers, "
+                              f"so there is nothing to keep per client; remove the setting "
+                              f"(or set model.batchnorm = \"global\")")
+        for prefix, module in norms:
+            kinds = ("running_mean", "running_var") + (("weight", "bias") if mode == "local"
+                                                       else ())
+            names.update(f"{prefix}.{k}" if prefix else k for k in kinds)
     pos = [np.arange(off, off + n) for name, off, n in
            zip(layout.names, layout.offsets, layout.numels) if name in names]
     return np.concatenate(pos).astype(np.int64) if pos else np.zeros(0, dtype=np.int64)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from mpifl.core.errors import OutputError
-from mpifl.report.load import load, tables
+from mpifl.report.load import load_noted, tables
 from mpifl.store.sealed import reason
 
 
@@ -36,7 +36,7 @@ def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
             raise OutputError("--parquet needs pyarrow: pip install 'mpifl[parquet]' "
                               "(or use --csv)") from None
     source = runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs
-    ds = load(source)  # a large run lazily: its per-client arrays are read by tables()
+    ds = load_noted(source)  # a large run lazily: its per-client arrays are read by tables()
     try:
         frames = tables(ds)
     finally:

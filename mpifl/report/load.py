@@ -36,14 +36,17 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 
 from mpifl.core.errors import OutputError
-from mpifl.store.results import CHUNK_ELEMENTS, DamagedResults, LazyArray, read_many
-from mpifl.store.sweep_index import INDEX, read_index
+from mpifl.metrics.summary import SUMMARY_KEYS
+from mpifl.store.results import (CHUNK_ELEMENTS, DamagedResults, LazyArray, LocalState,
+                                 read_many)
+from mpifl.store.sweep_index import INDEX, listed_runs
 
 #: ``xarray.concat`` fill values of variables that are not floats (padding of shorter runs).
 _FILL = {"selected": -1, "aggregated": False}
@@ -64,7 +67,8 @@ def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
 
     Args:
         source: a results file (``.h5``), a sweep folder (holding ``index.json``; runs without
-            a results file yet are left out), or a list of results files.
+            a results file yet are left out, and in a ``--seeds`` folder the seeds its
+            ``seeds.toml`` does not list), or a list of results files.
         lazy: ``True``: the per-client variables stay in the files and are read where they are
             indexed (dask arrays with dask installed, else xarray's lazily indexed arrays);
             ``False``: everything is read into memory; ``"auto"``: lazy when one run's
@@ -73,23 +77,28 @@ def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
 
     Returns:
         ``xarray.Dataset`` with dims ``run``, ``round``, ``eval_round``, ``client``, ``slot``
-        and ``label``; accuracies float64 fractions, counts int64 (float64 where runs of
-        different K or C are padded with NaN). Lazy: close it (``ds.close()``, or use it in a
-        ``with`` block) to close the files.
+        and ``label`` (and ``local`` with FedBN's ``local_state``); accuracies float64
+        fractions, counts int64 (float64 where runs of different K or C are padded with NaN);
+        a regression run's summaries ``loss_mean``, ``loss_std``, ``loss_worst5`` (the highest
+        5% of the client losses), ``loss_best5`` float64 in the loss's units, and no accuracy
+        variables. Lazy: close it (``ds.close()``, or use it in a ``with`` block) to close the
+        files.
 
     Raises:
         DamagedResults: results files that cannot be read (damaged, truncated, empty, not
-            HDF5, foreign or missing), every one named with its reason.
-        OutputError: a path that is neither a results file nor a sweep folder, no run to
-            load, or a ``lazy`` that is not True, False or "auto".
+            HDF5 or foreign), every one named with its reason.
+        OutputError: a path that does not exist ("no such file"), a folder that is not a
+            sweep folder, no run to load, or a ``lazy`` that is not True, False or "auto".
     """
     import xarray as xr
 
     if lazy not in (True, False, "auto"):
         raise OutputError(f"lazy={lazy!r}: expected True, False or 'auto'")
-    runs = _sources(source)
+    runs, note = _sources(source)
     if not runs:
         raise OutputError(f"{source}: no results to load")
+    if note:
+        warnings.warn(note, UserWarning, stacklevel=2)
     good, damaged = read_many((path for _, path, _ in runs), lazy=lazy is not False)
     if damaged:  # every file is needed: name all that cannot be read, in one line
         for res in good:
@@ -101,6 +110,8 @@ def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
         good, damaged = read_many(path for _, path, _ in runs)  # small: read as always
         if damaged:
             raise DamagedResults(damaged)
+    for res in good:
+        _drop_regression_accuracy(res)
     results = [(rid, res, params) for (rid, _, params), res in zip(runs, good)]
     # a key swept for some runs only (uga.eta_g in a grid with FedAvg) is a coordinate of all
     varying = sorted(set(_varying_keys([r["config"] for _, r, _ in results]))
@@ -120,8 +131,34 @@ def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
         closers = [res["close"] for res in good]
         ds.set_close(lambda: [close() for close in closers])
     ds.attrs.update(units="accuracies, std, cf, dp/eo/ap: fractions in [0, 1]; fair_angle: "
-                          "radians; time_*: seconds; peak_rss_*: MiB", schema="docs/RESULTS.md")
+                          "radians; time_*: seconds; peak_rss_*: MiB; loss, loss_*: the [model] "
+                          "loss's units", schema="docs/RESULTS.md")
+    if note:
+        ds.attrs["note"] = note
     return ds
+
+
+def load_noted(source, lazy: bool | str = "auto"):
+    """:func:`load` for the command line: a ``--seeds`` folder's note on the runs it leaves out
+    goes to standard error as one plain line instead of a ``UserWarning``."""
+    import sys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        ds = load(source, lazy=lazy)
+    if ds.attrs.get("note"):
+        print(ds.attrs["note"], file=sys.stderr)
+    return ds
+
+
+def _drop_regression_accuracy(res: dict[str, Any]) -> None:
+    """A regression run (its file has ``/eval/loss/mean``) has no accuracy: drop the per-client
+    accuracy and its summaries, NaN by construction, so that only the loss summaries remain."""
+    ev = res["eval"]
+    if "loss/mean" not in ev:
+        return
+    for name in ("client_accuracy", *SUMMARY_KEYS):
+        ev.pop(name, None)
 
 
 def _per_client_bytes(res: dict[str, Any]) -> int:
@@ -144,12 +181,15 @@ def _take_lazy(res: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], Any, dic
                 out[name.replace("/", "_").replace("client_", "")] = (
                     dims, a, {"eval_round": ev_round, "client": np.arange(a.shape[1])})
             else:
-                dims = ("client",) if a.ndim == 1 else ("client", "label")
-                out[name] = (dims, a, {d: np.arange(n) for d, n in zip(dims, a.shape)})
+                dims = _client_dims(name, a.ndim)
+                coords = {d: np.arange(n) for d, n in zip(dims, a.shape)}
+                if name == "local_state":
+                    coords["local"] = np.array(LocalState.column_names(res["local_entries"]))
+                out[name] = (dims, a, coords)
     sizes: dict[str, int] = {}
     for dims, a, _ in out.values():
         for d, n in zip(dims, a.shape):
-            if d != "eval_round":
+            if d not in ("eval_round", "local"):
                 sizes[d] = max(sizes.get(d, 0), n)
     res["_dims"] = sizes  # client / label coordinates of the run, for alignment
     return out
@@ -329,7 +369,9 @@ def tables(ds) -> dict[str, Any]:
     Returns:
         ``{"rounds": one row per (run, round), "evals": per (run, eval_round) — the summaries,
         "clients": per (run, eval_round, client) — accuracy and loss}``, each with the run's
-        coordinates (algorithm, seed, swept keys) as columns and padded rows dropped.
+        coordinates (algorithm, seed, swept keys) as columns and padded rows dropped (rows
+        without ``lr``; evaluations without ``mean`` nor ``loss_mean``; clients without
+        ``accuracy`` nor ``loss``).
     """
     run_coords = [c for c in ds.coords if ds[c].dims == ("run",)]
     out = {}
@@ -339,33 +381,43 @@ def tables(ds) -> dict[str, Any]:
         frame = ds[names].to_dataframe().reset_index()
         frame = frame.drop(columns=[c for c in frame.columns
                                     if c not in (*dims, *names, *run_coords)])
-        key = {"rounds": "lr", "evals": "mean", "clients": "accuracy"}[name]
-        out[name] = frame.dropna(subset=[key]).reset_index(drop=True)
+        keys = {"rounds": ["lr"], "evals": ["mean", "loss_mean"],
+                "clients": ["accuracy", "loss"]}[name]
+        present = [k for k in keys if k in frame.columns]  # regression runs: no accuracy
+        out[name] = frame.dropna(subset=present, how="all").reset_index(drop=True)
     return out
 
 
-def _sources(source) -> list[tuple[str, Path, dict[str, Any]]]:
-    """(run id, results path, swept params) of each run to load."""
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        if path.is_dir():
-            if not (path / INDEX).exists():
-                raise OutputError(f"{path}: not a sweep folder (no {INDEX}) and not a results file")
-            index = read_index(path)["runs"]
-            return [(rid, path / run["results"], run["params"]) for rid, run in index.items()
-                    if (path / run["results"]).is_file()]
-        return [(path.stem, path, {})]
-    paths = [Path(p) for p in source]
+def _sources(source) -> tuple[list[tuple[str, Path, dict[str, Any]]], str | None]:
+    """(run id, results path, swept params) of each run to load, and the note of a ``--seeds``
+    folder on the runs it leaves out (:func:`listed_runs`; else None).
+
+    Raises:
+        OutputError: a path that does not exist, or a folder that is not a sweep folder.
+    """
+    paths = [Path(source)] if isinstance(source, (str, Path)) else [Path(p) for p in source]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise OutputError(f"no such file: {', '.join(missing)} (mpifl.load takes results files "
+                          "(.h5) or a sweep folder)")
+    if isinstance(source, (str, Path)) and paths[0].is_dir():
+        path = paths[0]
+        if not (path / INDEX).exists():
+            raise OutputError(f"{path}: not a sweep folder (no {INDEX}) and not a results file")
+        index, note = listed_runs(path)
+        return [(rid, path / run["results"], run["params"]) for rid, run in index.items()
+                if (path / run["results"]).is_file()], note
     stems = [p.stem for p in paths]
     ids = stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
-    return [(rid, p, {}) for rid, p in zip(ids, paths)]
+    return [(rid, p, {}) for rid, p in zip(ids, paths)], None
 
 
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flat_config(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A stored config (nested dict) as ``{"section.key": value}``, lists as JSON text."""
     out = {}
     for key, value in config.items():
         if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_config(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, list) else value
     return out
@@ -373,7 +425,7 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _varying_keys(configs: list[dict[str, Any]]) -> list[str]:
     """Config keys (``section.key``) whose values differ between the runs (the swept keys)."""
-    flats = [_flat(c) for c in configs]
+    flats = [flat_config(c) for c in configs]
     keys = sorted(set().union(*flats))
     return [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1
             and k not in ("run.name", "run.seed", "server.algorithm")]
@@ -383,7 +435,7 @@ def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying:
     import xarray as xr
 
     rounds, ev, config = res["rounds"], res["eval"], res["config"]
-    flat = _flat(config)
+    flat = flat_config(config)
     coords = {"run": [rid], "round": rounds["round"], "eval_round": ev["round"],
               "algorithm": ("run", [res["attrs"].get("algorithm", flat.get("server.algorithm"))]),
               "seed": ("run", [flat.get("run.seed", -1)]),
@@ -403,13 +455,23 @@ def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying:
         dims = ("eval_round",) if values.ndim == 1 else ("eval_round", "client")
         data[clean] = (("run", *dims), values[None])
     for name, values in res.get("clients", {}).items():
-        dims = ("client",) if values.ndim == 1 else ("client", "label")
-        data[name] = (("run", *dims), values[None])
+        data[name] = (("run", *_client_dims(name, values.ndim)), values[None])
     for d, n in res.get("_dims", {}).items():  # the lazy arrays' dimensions (added later)
         coords[d] = np.arange(n)
+    if res.get("local_entries"):  # FedBN's rows: columns named by entry and element
+        coords["local"] = LocalState.column_names(res["local_entries"])
+        coords["local_param"] = ("local", [n for n, a, b, _ in res["local_entries"]
+                                           for _ in range(b - a)])
     ds = xr.Dataset(data, coords=coords)
     return ds.assign_coords({d: np.arange(ds.sizes[d]) for d in ("client", "slot", "label", "layer")
                              if d in ds.dims})
+
+
+def _client_dims(name: str, ndim: int) -> tuple[str, ...]:
+    """The dims of a /clients dataset (without ``run``)."""
+    if name == "local_state":
+        return ("client", "local")
+    return ("client",) if ndim == 1 else ("client", "label")
 
 
 def _fill_values(parts) -> dict[str, Any]:

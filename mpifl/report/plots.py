@@ -12,11 +12,15 @@ from pathlib import Path
 import numpy as np
 
 from mpifl.core.errors import OutputError
-from mpifl.report.load import load
+from mpifl.report.load import load_noted
 
 #: curves: (variable, panel title, scale to the printed unit)
 CURVES = [("mean", "mean client accuracy (%)", 100.0), ("worst5", "worst-5% accuracy (%)", 100.0),
           ("std", "std of client accuracy (pp)", 100.0)]
+#: the same for regression runs (no accuracy): the clients' test losses
+LOSS_CURVES = [("loss_mean", "mean client loss", 1.0),
+               ("loss_worst5", "worst-5% loss (highest)", 1.0),
+               ("loss_std", "std of client loss", 1.0)]
 
 
 def plot(kind: str, runs: list[str], out: Path) -> Path:
@@ -33,7 +37,7 @@ def plot(kind: str, runs: list[str], out: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise OutputError("mpifl plot needs matplotlib: pip install 'mpifl[plot]'") from None
-    ds = load(runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs)
+    ds = load_noted(runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs)
     fig = (_curves if kind == "curves" else _clients)(plt, ds)
     try:
         fig.savefig(out, dpi=110)
@@ -56,11 +60,12 @@ def _groups(ds) -> dict[str, list[int]]:
 
 
 def _curves(plt, ds):
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.3 * len(CURVES), 3.5),
+    curves = CURVES if "mean" in ds else LOSS_CURVES
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.3 * len(curves), 3.5),
                              constrained_layout=True)
     rounds = ds["eval_round"].values
     for label, idx in _groups(ds).items():
-        for ax, (name, _, scale) in zip(axes, CURVES):
+        for ax, (name, _, scale) in zip(axes, curves):
             values = scale * ds[name].values[idx]  # (runs, evaluations), NaN past a run's end
             with warnings.catch_warnings():  # rounds no run of this group reached: NaN, no line
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -70,7 +75,7 @@ def _curves(plt, ds):
                             label=f"{label} ({len(idx)} seed{'s' * (len(idx) > 1)})")
             if sd is not None:
                 ax.fill_between(rounds, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
-    for ax, (_, title, _) in zip(axes, CURVES):
+    for ax, (_, title, _) in zip(axes, curves):
         ax.set(xlabel="round", title=title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -78,19 +83,21 @@ def _curves(plt, ds):
 
 
 def _clients(plt, ds):
-    """Each client's accuracy at every run's last evaluation, sorted: the lower the left end,
-    the worse the worst clients fare."""
+    """Each client's accuracy (regression: loss) at every run's last evaluation, sorted: the
+    lower the left end, the worse the worst clients fare (regression: the higher the right)."""
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-    acc = ds["accuracy"].values  # (runs, evaluations, clients)
+    what, scale = ("accuracy", 100) if "accuracy" in ds else ("loss", 1)
+    acc = ds[what].values  # (runs, evaluations, clients)
     for label, idx in _groups(ds).items():
         finals = []
         for i in idx:
             done = np.flatnonzero(~np.isnan(acc[i, :, 0]))
             finals.append(np.sort(acc[i, done[-1]]) if done.size else np.array([]))
         pooled = np.sort(np.concatenate(finals))
-        ax.plot(np.linspace(0, 100, pooled.size), 100 * pooled, label=label)
-    ax.set(xlabel="clients, sorted by accuracy (percentile)", ylabel="final accuracy (%)",
-           title="per-client accuracy at the last evaluation")
+        ax.plot(np.linspace(0, 100, pooled.size), scale * pooled, label=label)
+    unit = " (%)" if what == "accuracy" else ""
+    ax.set(xlabel=f"clients, sorted by {what} (percentile)", ylabel=f"final {what}{unit}",
+           title=f"per-client {what} at the last evaluation")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig

@@ -5,13 +5,18 @@ Rows are metrics (mean accuracy, std in percentage points, worst/best 5%, Ditto'
 mean and worst 5%, the mean and worst 5% after local adaptation (``run.adapt_epochs``), FedLF's
 fair angle,
 mFairFL's client-fairness violation and, on data with a sensitive attribute, the DP/EO/AP
-violations) and, when K <= 10, every client's accuracy; columns are runs.
+violations) and, when K <= 10, every client's accuracy; columns are runs, named by their file
+and by the settings that differ between them (:func:`setting_labels`). A regression run (``[model]
+loss = "mse"``) has the clients' test losses (mean, std, worst/best 5%) instead of accuracies. A
+run that has no evaluation yet shows its status and the rounds it has done; ``--json`` gives the
+figures as fractions, as the results files store them (:func:`as_fractions`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,7 @@ import numpy as np
 
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import owner_alive
+from mpifl.report.load import flat_config
 from mpifl.store.checkpoint import folder_for, load_latest
 from mpifl.store.results import read_results
 
@@ -45,19 +51,27 @@ def run_status(path: str | Path, res: dict[str, Any]) -> str:
 def summarise(path: str | Path, last: int = 1,
               res: dict[str, Any] | None = None) -> dict[str, Any]:
     """A run's metrics averaged over its last ``last`` evaluations, as plain numbers
-    (accuracies and violations in percent or percentage points; DP/EO/AP as fractions).
+    (accuracies and violations in percent or percentage points; DP/EO/AP as fractions; a
+    regression run's ``loss_mean``, ``loss_std``, ``loss_worst5`` (the highest 5% of the
+    clients' losses) and ``loss_best5`` in the loss's units instead of accuracies).
 
     Averaging a few evaluations steadies the comparison: between evaluations a non-IID run's
     mean accuracy swings by several points. ``res``: the file's :func:`read_results`, when
     already read (e.g. by :func:`mpifl.store.results.read_many`).
 
+    A run that is not complete and has no evaluation yet gives its progress instead
+    (:func:`progress_row`: ``evals`` 0, no metric).
+
     Raises:
-        OutputError: unreadable or foreign file, or a run with no evaluation yet.
+        OutputError: unreadable or foreign file, or a complete run with no evaluation.
     """
     res = read_results(path) if res is None else res
     ev = res["eval"]
     if ev["round"].size == 0:
-        raise OutputError(f"{path}: the run has no evaluation yet")
+        if res["attrs"].get("status") == "complete":
+            raise OutputError(f"{path}: the run is complete but has no evaluation (it ran "
+                              "without run.eval_every?); nothing to summarise")
+        return progress_row(path, res)
     k = min(max(1, last), ev["round"].size)
 
     def tail(name: str, scale: float = 1.0) -> float:
@@ -76,7 +90,8 @@ def summarise(path: str | Path, last: int = 1,
         # run.eval_clients: each evaluation tested this many of them (the rest are NaN)
         "eval_clients": int(res["config"].get("run", {}).get("eval_clients", 0) or 0),
         # of the evaluations used, those that tested every client (run.full_eval_every)
-        "full_evals": int(np.isfinite(ev["client_accuracy"][-k:]).all(axis=1).sum()),
+        "full_evals": int(np.isfinite(ev["client_loss" if "loss/mean" in ev else
+                                         "client_accuracy"][-k:]).all(axis=1).sum()),
         "mean": tail("mean", 100), "std": tail("std", 100), "worst5": tail("worst5", 100),
         "best5": tail("best5", 100), "fair_angle": tail("fair_angle"),
     }
@@ -102,29 +117,107 @@ def summarise(path: str | Path, last: int = 1,
     return row
 
 
+def progress_row(path: str | Path, res: dict[str, Any]) -> dict[str, Any]:
+    """What a run without an evaluation shows: ``status`` (:func:`run_status`: ``running``
+    while a live process holds its lock), ``round`` (rounds done), ``rounds`` (of the config),
+    ``last_round_at`` (local time the results file was last written: rounds are written at
+    least once a second) and ``evals`` 0."""
+    done = res["rounds"].get("round")
+    config = res["config"]
+    try:
+        written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(Path(path).stat().st_mtime))
+    except OSError:
+        written = "?"
+    return {"run": Path(path).stem, "algorithm": res["attrs"].get("algorithm", "?"),
+            "status": run_status(path, res), "seed": config.get("run", {}).get("seed"),
+            "config": config, "round": int(done[-1]) + 1 if done is not None and len(done) else 0,
+            "rounds": config.get("run", {}).get("rounds"), "evals": 0,
+            "clients": int(res["attrs"].get("num_clients", 0)), "last_round_at": written}
+
+
 def group_by_seed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs whose configs differ only in ``run.seed`` (and ``run.name``), as one row each:
     every numeric metric's mean and sample std (n-1; 0 for one run) over the seeds
-    (``metric`` and ``metric_sd``), ``seeds`` the number of runs, ``runs`` their names."""
+    (``metric`` and ``metric_sd``), ``seeds`` the number of runs, ``runs`` their names,
+    ``config`` the first one's without seed and name. Runs without an evaluation yet
+    (``evals`` 0) are left out."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
+        if not row.get("evals"):
+            continue
         cfg = json.loads(json.dumps(row.get("config", {})))
         for section, key in (("run", "seed"), ("run", "name")):
             cfg.get(section, {}).pop(key, None)
         groups.setdefault(json.dumps(cfg, sort_keys=True), []).append(row)
     out = []
-    for members in groups.values():
+    for text, members in groups.items():
         g = {"run": members[0]["run"] if len(members) == 1 else _common_name(members),
              "algorithm": members[0]["algorithm"], "seeds": len(members),
              "runs": [m["run"] for m in members], "round": min(m["round"] for m in members),
              "clients": members[0]["clients"], "eval_clients": members[0].get("eval_clients", 0),
-             "full_evals": min(m.get("full_evals", 0) for m in members), "evals": min(m["evals"] for m in members)}
+             "full_evals": min(m.get("full_evals", 0) for m in members),
+             "evals": min(m["evals"] for m in members), "config": json.loads(text)}
         for key, _, _ in _ROWS:
             vals = [m[key] for m in members if isinstance(m.get(key), (int, float))]
             if key not in g and len(vals) == len(members):
                 g[key], g[key + "_sd"] = mean_sd(vals)
         out.append(g)
     return out
+
+
+#: Config keys never used to tell runs apart: the name is the file's, the algorithm its own row.
+_NOT_SETTINGS = ("run.name", "server.algorithm")
+
+
+def setting_labels(configs: list[dict[str, Any]]) -> list[str]:
+    """For each config (the stored JSON, as a dict), ``"section.key=value, ..."`` of the keys
+    whose values differ between ``configs`` (e.g. ``model.batchnorm=local,
+    server.optimizer=adam``), keys in sorted order; ``"-"`` where none differs."""
+    flats = [flat_config(c) for c in configs]
+    keys = sorted(set().union(*flats)) if flats else []
+    varying = [k for k in keys if k not in _NOT_SETTINGS
+               and len({json.dumps(f.get(k), sort_keys=True) for f in flats}) > 1]
+    return [", ".join(f"{k}={_shown(f[k])}" for k in varying if k in f) or "-" for f in flats]
+
+
+def _shown(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+#: Metrics that summarise() gives in percent (or percentage points); the files and --json
+#: store them as fractions.
+PERCENT_KEYS = ("mean", "std", "worst5", "best5", "personal_mean", "personal_worst5",
+                "adapted_mean", "adapted_worst5", "cf")
+
+
+def as_fractions(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` (from :func:`summarise`, :func:`group_by_seed` or a sweep's groups) with the
+    percent metrics (:data:`PERCENT_KEYS`, their ``_sd`` and ``client_accuracy``) as
+    fractions in [0, 1], the unit of the results files, and NaN (a diverged run, a client
+    without test data) as None, so that the JSON is standard (``null``); everything else as
+    it is."""
+    out = dict(row)
+    for key in PERCENT_KEYS:
+        for name in (key, key + "_sd"):
+            if isinstance(out.get(name), (int, float)):
+                out[name] = out[name] / 100.0
+    if isinstance(out.get("client_accuracy"), list):
+        out["client_accuracy"] = [a / 100.0 for a in out["client_accuracy"]]
+    return {k: _finite(v) for k, v in out.items()}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+#: What --json's numbers are in (printed beside them).
+JSON_UNITS = ("mean, std, worst5, best5, personal_*, adapted_*, cf, client_accuracy (and their "
+              "_sd): fractions in [0, 1]; dp, eo, ap: fractions; fair_angle: radians; loss_*: "
+              "the [model] loss's units; null: not a number (no test data, a diverged run)")
 
 
 def _common_name(members: list[dict[str, Any]]) -> str:
@@ -160,10 +253,16 @@ _ROWS = [
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Metrics down, runs across, as aligned plain text; rows from :func:`group_by_seed`
-    print ``mean ± sd`` over their seeds."""
+    print ``mean ± sd`` over their seeds. Columns are headed by the run's name and, when the
+    runs' configs differ, a ``setting`` line (:func:`setting_labels`). A run without an
+    evaluation yet shows its status and rounds done of all, and a line under the table."""
     header = ["metric"] + [r["run"] for r in rows]
+    labels = setting_labels([r.get("config", {}) for r in rows])
+    settings = [["setting"] + labels] if len(rows) > 1 and set(labels) != {"-"} else []
 
     def cell(r: dict[str, Any], key: str, fmt: str) -> str:
+        if key == "round" and not r.get("evals", 1):
+            return f"{r['round']} of {r.get('rounds', '?')}"
         if key not in r:
             return "-"
         text = fmt.format(r[key])
@@ -171,8 +270,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return text + " ± " + fmt.format(r[key + "_sd"]) if spread else text
 
     extra = [("seeds", "seeds", "{}")] if any("seeds" in r for r in rows) else []
-    lines = [[label] + [cell(r, key, fmt) for r in rows]
-             for key, label, fmt in _ROWS + extra if any(key in r for r in rows)]
+    lines = settings + [[label] + [cell(r, key, fmt) for r in rows]
+                        for key, label, fmt in _ROWS + extra if any(key in r for r in rows)]
     k = max(len(r.get("client_accuracy", [])) for r in rows)
     for i in range(k):
         lines.append([f"client {i} (%)"] + [
@@ -181,12 +280,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(header, *lines)]
     out = ["  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(line, widths)))
            for line in [header, *lines]]
-    out.insert(1, "  ".join("-" * w for w in widths))
-    evals = sorted({r["evals"] for r in rows if "evals" in r})
+    out.insert(1 + len(settings), "  ".join("-" * w for w in widths))
+    for r in rows:
+        if not r.get("evals", 1):
+            out.append(f"({r['run']}: {r['status']}, no evaluation yet: round {r['round']} of "
+                       f"{r.get('rounds', '?')} done, last round written {r['last_round_at']})")
+    evals = sorted({r["evals"] for r in rows if r.get("evals")})
     if evals and evals != [1]:  # what was used: a run with fewer evaluations uses them all
         out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")
     sampled = sorted({(r["eval_clients"], r["clients"], r.get("full_evals", 0), r["evals"])
-                      for r in rows if r.get("eval_clients")})
+                      for r in rows if r.get("eval_clients") and r.get("evals")})
     for n, k, full, used in sampled:  # run.eval_clients (and run.full_eval_every)
         if full >= used:
             out.append(f"(sampled evaluations tested {n} of {k} clients; the ones used here "

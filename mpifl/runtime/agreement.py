@@ -10,8 +10,8 @@ rank to stop, if any. So
   for a user's mistake), never a hang and never a mix of statuses (mpiexec ORs the ranks'
   statuses: 2 | 1 would read as 3, "checkpointed, requeue me");
 * a rank that does not reach the end of a step within ``timeout_s`` (it crashed hard, was
-  stopped with SIGSTOP, or hangs) is named by rank 0, which ends the job with ``MPI_Abort``
-  and status 2;
+  stopped with SIGSTOP, or hangs) is named by rank 0 (a missing rank 0 by rank 1), which ends
+  the job with ``MPI_Abort`` and status 2;
 * SIGINT, SIGTERM or SIGUSR1 during set-up (recorded by :class:`mpifl.runtime.signals.StopRequest`,
   installed before mpifl's heavy imports) ends every rank at the next step with status 130
   (SIGINT) or 3 (SIGTERM, SIGUSR1: a preempted job is requeued and resumes where its last
@@ -32,6 +32,7 @@ import numpy as np
 
 from mpifl.core.errors import EXIT_BAD_INPUT, MpiflError
 from mpifl.runtime.comm import ABORT_GRACE_S
+from mpifl.runtime.installs import rank_ranges
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
 
 log = logging.getLogger("mpifl")
@@ -40,6 +41,7 @@ T = TypeVar("T")
 #: Exit status of a command interrupted by SIGINT (128 + 2, as a shell reports it).
 EXIT_INTERRUPTED = 130
 _ARRIVED_TAG = 0x5E7  # a worker's "I finished this step" message to rank 0
+_ROOT_ARRIVED_TAG = 0x5E8  # rank 0's "I finished this step" message to each worker
 #: extra seconds a worker waits beyond ``timeout_s``, so that rank 0, which can name the rank
 #: that is missing, is the one that ends the job
 WORKER_GRACE_S = 5.0
@@ -71,6 +73,7 @@ class Outcome:
 
     def __init__(self, fn: Callable[[], T]) -> None:
         self.value, self.error, self.status = None, None, EXIT_BAD_INPUT
+        self.exc: MpiflError | None = None  # raised as it is where its message is the agreed one
         try:
             self.value = fn()
         except Exception as exc:  # noqa: BLE001 -- every rank must hear of it
@@ -79,7 +82,7 @@ class Outcome:
     def fail(self, exc: Exception) -> None:
         """Record ``exc`` as this rank's failure: mpifl's own line and status, or one line."""
         if isinstance(exc, MpiflError):
-            self.error, self.status = str(exc), exc.exit_status
+            self.error, self.status, self.exc = str(exc), exc.exit_status, exc
         else:
             self.error = one_line(exc)
             log.debug("set-up failed", exc_info=True)
@@ -87,7 +90,7 @@ class Outcome:
     def get(self):
         """The value (raises :class:`MpiflError` with the error, if the attempt failed)."""
         if self.error is not None:
-            raise _error(self.error, self.status)
+            raise self.exc if self.exc is not None else _error(self.error, self.status)
         return self.value
 
 
@@ -143,6 +146,8 @@ class SetUp:
         if failed:
             r, err, status = failed[0]
             partial = self.size > 1 and len(failed) < self.size
+            if not partial and r == self.rank and outcome.exc is not None:
+                raise outcome.exc  # its own class (ConfigError, OutputError) for mpifl.run
             raise _error(f"rank {r}: {err}" if partial else err, status)
         if signal := next((sig for _, _, sig in records if sig), None):
             raise SetupStopped(signal, name)
@@ -169,9 +174,25 @@ class SetUp:
         self._arrive(name)
         return self.comm.Split(0 if member else MPI.UNDEFINED, self.rank)
 
+    def allgather(self, name: str, value: T) -> list[T]:
+        """Every rank's ``value`` on every rank (a small object), in rank order."""
+        if self.size == 1:
+            return [value]
+        self._arrive(name)
+        return self.comm.allgather(value)
+
+    def together(self, name: str, fn: Callable[[object], T]) -> T:
+        """``fn(comm)`` on every rank once all have arrived (a collective over the world
+        communicator; ``comm`` is None in one process)."""
+        if self.size > 1:
+            self._arrive(name)
+        return fn(self.comm)
+
     def _arrive(self, name: str) -> None:
         """Wait, within ``timeout_s``, until every rank has finished step ``name``; otherwise end
-        the job (``MPI_Abort``, status 2), rank 0 naming the ranks that did not arrive."""
+        the job (``MPI_Abort``, status 2) with one line naming the ranks that did not arrive:
+        rank 0 names the workers (it hears from each), a worker names rank 0 (rank 0 tells every
+        worker that it arrived)."""
         if not self.timeout_s:
             return
         from mpi4py import MPI
@@ -180,18 +201,31 @@ class SetUp:
         if self.rank == 0:
             reqs = [self.comm.Irecv([np.zeros(1, np.int8), MPI.INT8_T], source=r, tag=_ARRIVED_TAG)
                     for r in range(1, self.size)]
+            told = [self.comm.Isend([flag, MPI.INT8_T], dest=r, tag=_ROOT_ARRIVED_TAG)
+                    for r in range(1, self.size)]
             missing = _wait(reqs, self.timeout_s)
             if missing:
-                ranks = ", ".join(str(i + 1) for i in missing)
+                ranks = rank_ranges([i + 1 for i in missing])
                 self._abort(f"rank(s) {ranks} did not finish set-up step '{name}' within "
                             f"run.setup_timeout_s = {self.timeout_s:g} s (failed hard, stopped or "
                             "hung; their own output may say why)")
-            self.comm.Ibarrier().Wait()  # all have arrived (a blocking Barrier would not match)
+            for req in [*told, self.comm.Ibarrier()]:  # all have arrived: these complete
+                req.Wait()
             return
         send = self.comm.Isend([flag, MPI.INT8_T], dest=0, tag=_ARRIVED_TAG)
-        if _wait([send, self.comm.Ibarrier()], self.timeout_s + WORKER_GRACE_S):
-            self._abort(f"rank 0 or another rank did not finish set-up step '{name}' within "
-                        f"run.setup_timeout_s = {self.timeout_s:g} s")
+        root = self.comm.Irecv([np.zeros(1, np.int8), MPI.INT8_T], source=0, tag=_ROOT_ARRIVED_TAG)
+        # rank 0 ends the job first when a worker is missing; among the workers rank 1 speaks
+        # first when rank 0 is, the others after a longer grace (one line, not one a rank)
+        grace = WORKER_GRACE_S * (1 if self.rank == 1 else 2)
+        pending = _wait([send, root, self.comm.Ibarrier()], self.timeout_s + grace)
+        if 1 in pending:
+            self._abort(f"rank 0 did not finish set-up step '{name}' within run.setup_timeout_s "
+                        f"= {self.timeout_s:g} s (failed hard, stopped or hung; its own output "
+                        "may say why)")
+        if pending:
+            self._abort(f"rank 0 finished set-up step '{name}' but another rank did not within "
+                        f"run.setup_timeout_s = {self.timeout_s:g} s, and rank 0 did not end the "
+                        "job (their own output may say why)")
 
     def _abort(self, line: str) -> None:
         print(f"mpifl: error: rank {self.rank}: {line}; ending every rank of the job",

@@ -8,7 +8,7 @@ back with the results for /rounds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -65,9 +65,14 @@ def evaluate(trainer, w: torch.Tensor, idx, groups, local: torch.Tensor | None =
     return acc, loss, counts.reshape(len(idx), -1)
 
 
-#: Samples a lazy population draws at once in a streamed evaluation: its clients go through the
-#: trainer in windows of about this many samples (synthetic: 2^18 x 60 float32, ~64 MB).
+#: Samples a lazy population draws at once in a streamed evaluation by default
+#: (``run.eval_window_samples``): its clients go through the trainer in windows of about this
+#: many samples (synthetic: 2^18 x 60 float32, ~64 MB).
 STREAM_SAMPLES = 2**18
+
+#: ``on_progress(done, total) -> bool`` of a streamed evaluation: called before each window
+#: with the clients done so far and once at the end; False stops it before the next window.
+OnProgress = Callable[[int, int], bool]
 
 
 @contextmanager
@@ -97,15 +102,18 @@ def client_rows(fed, client_ids: np.ndarray, *trainers) -> Iterator[tuple[list, 
         release_free_memory()
 
 
-def stream_blocks(fed, client_ids: np.ndarray) -> list[tuple[int, int]]:
+def stream_blocks(fed, client_ids: np.ndarray, window: int | None = None
+                  ) -> list[tuple[int, int]]:
     """``[(lo, hi), ...]`` consecutive blocks of ``client_ids`` evaluated at once: one block for
-    eager data; for a lazy population, windows of about :data:`STREAM_SAMPLES` samples (at
-    least one client each), so a full evaluation of K clients never holds them all."""
+    eager data; for a lazy population, windows of about ``window`` samples (at least one client
+    each; None: :data:`STREAM_SAMPLES`), so a full evaluation of K clients never holds them
+    all."""
     n = len(client_ids)
     if not fed.lazy or n == 0:
         return [(0, n)]
+    window = window or STREAM_SAMPLES
     ends = np.cumsum(fed.sizes[client_ids])
-    marks = np.arange(STREAM_SAMPLES, int(ends[-1]), STREAM_SAMPLES)
+    marks = np.arange(window, int(ends[-1]), window)
     cuts = np.unique(np.searchsorted(ends, marks, side="left") + 1)
     bounds = [0, *(int(c) for c in cuts if 0 < c < n), n]
     return list(zip(bounds[:-1], bounds[1:]))
@@ -122,11 +130,15 @@ class Evaluated:
     counts: np.ndarray | None = None
     personal: tuple[np.ndarray, np.ndarray] | None = None
     adapted: tuple[np.ndarray, np.ndarray] | None = None
+    #: False: stopped between windows (``on_progress``); the clients not reached are NaN
+    complete: bool = True
 
 
 def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, groups,
                      personal: torch.Tensor | None = None, local: torch.Tensor | None = None,
-                     adapter=None, adapt: tuple[int, float] | None = None) -> Evaluated:
+                     adapter=None, adapt: tuple[int, float] | None = None,
+                     window: int | None = None, on_progress: OnProgress | None = None
+                     ) -> Evaluated:
     """Evaluate the clients ``client_ids`` at ``w`` (block by block, :func:`stream_blocks`).
 
     Args:
@@ -139,14 +151,22 @@ def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, grou
             (:func:`mpifl.experiment.assemble.make_adapter`); needed with ``adapt``.
         adapt: ``(round, lr)``: also evaluate after local adaptation from w (round keys the
             minibatch order), or None.
+        window: samples a lazy population draws at once (``run.eval_window_samples``; None:
+            :data:`STREAM_SAMPLES`).
+        on_progress: told the clients done before each window and at the end; when it returns
+            False the evaluation stops there and returns ``complete=False``, NaN for the rest.
 
     Raises:
         RuntimeError: ``adapt`` without an adapter (``run.adapt_epochs = 0`` here).
     """
     if adapt is not None and adapter is None:
         raise RuntimeError("an adapted evaluation was requested but run.adapt_epochs is 0 here")
-    parts = []
-    for lo, hi in stream_blocks(fed, client_ids):
+    parts, n = [], len(client_ids)
+    for lo, hi in stream_blocks(fed, client_ids, window):
+        if on_progress is not None and not on_progress(lo, n):
+            width = 0 if groups is None else stats_width(groups[1])
+            parts.append(_unreached(n - lo, width, personal is not None, adapt is not None))
+            return _joined(parts, complete=False)
         ids = client_ids[lo:hi]
         with client_rows(fed, ids, trainer, adapter if adapt else None) as (train, test):
             acc, loss, counts = evaluate(trainer, w, test, groups,
@@ -155,10 +175,19 @@ def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, grou
             adapted = (None if adapt is None else
                        adapter.evaluate_adapted(w, adapt[0], adapt[1], ids, train, test))
         parts.append(Evaluated(acc, loss, counts, own, adapted))
+    if on_progress is not None:
+        on_progress(n, n)
     return parts[0] if len(parts) == 1 else _joined(parts)
 
 
-def _joined(parts: list[Evaluated]) -> Evaluated:
+def _unreached(n: int, width: int, personal: bool, adapted: bool) -> Evaluated:
+    """NaN rows for ``n`` clients a stopped evaluation did not reach, shaped as the others."""
+    nan = lambda *shape: np.full(shape, np.nan)  # noqa: E731
+    return Evaluated(nan(n), nan(n), nan(n, width) if width else None,
+                     (nan(n), nan(n)) if personal else None, (nan(n), nan(n)) if adapted else None)
+
+
+def _joined(parts: list[Evaluated], complete: bool = True) -> Evaluated:
     """The blocks of one evaluation as one."""
     def cat(name: str):
         first = getattr(parts[0], name)
@@ -169,7 +198,7 @@ def _joined(parts: list[Evaluated]) -> Evaluated:
         return np.concatenate([getattr(p, name) for p in parts])
 
     return Evaluated(*(cat(name) for name in ("accuracy", "loss", "counts", "personal",
-                                              "adapted")))
+                                              "adapted")), complete=complete)
 
 
 def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:
@@ -213,7 +242,9 @@ class LocalClients:
         self.groups = group_setup(fed, device)
 
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
-              inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
+              inputs: np.ndarray | None = None, state: torch.Tensor | None = None,
+              phase: Callable[[str], None] | None = None) -> TrainResult:
+        """The round's training here (``phase`` is not called: there is nothing to gather)."""
         t0 = time.perf_counter()
         with client_rows(self.fed, client_ids, self.trainer) as (idx, _):
             updates, losses, stats = self.trainer.run_round(w, rnd, lr, client_ids, idx, inputs,
@@ -230,15 +261,19 @@ class LocalClients:
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
                  adapt: tuple[int, float] | None = None,
-                 local: torch.Tensor | None = None, ids: np.ndarray | None = None) -> EvalReply:
+                 local: torch.Tensor | None = None, ids: np.ndarray | None = None,
+                 window: int | None = None, on_progress: OnProgress | None = None
+                 ) -> EvalReply:
         """All K clients at ``w``, or the (n,) clients ``ids`` (ascending), each with its own
         row of ``local`` (K or n, s) coordinates if given, at its own row of ``personal`` (K or
         n, d) if given, and after local adaptation from ``w`` if ``adapt = (round, lr)`` is
-        given; every array of the reply in the order of the clients."""
+        given; every array of the reply in the order of the clients. A lazy population goes in
+        windows of ``window`` samples; ``on_progress`` (:data:`OnProgress`) is told the clients
+        done and may stop it between windows (the reply is then ``stopped``)."""
         ids = np.arange(self.fed.num_clients) if ids is None else ids
         out = evaluate_clients(self.trainer, self.fed, w, ids, self.groups, personal, local,
-                               self.adapter, adapt)
-        reply = EvalReply(out.accuracy, out.loss, out.counts)
+                               self.adapter, adapt, window, on_progress)
+        reply = EvalReply(out.accuracy, out.loss, out.counts, stopped=not out.complete)
         if out.personal is not None:
             reply.personal_accuracy, reply.personal_loss = out.personal
         if out.adapted is not None:
@@ -266,12 +301,15 @@ class RemoteClients:
         self._width = stats_width(num_groups(fed))
 
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
-              inputs: np.ndarray | None = None, state: torch.Tensor | None = None) -> TrainResult:
+              inputs: np.ndarray | None = None, state: torch.Tensor | None = None,
+              phase: Callable[[str], None] | None = None) -> TrainResult:
+        """The round's training on the workers; ``phase("gathering")`` once they all have
+        their results."""
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
         t0 = time.perf_counter()
         rep = self.transport.train.request(
             rnd, lr, client_ids, w.detach().cpu().numpy(), bounds, inputs,
-            None if state is None else state.detach().cpu().numpy())
+            None if state is None else state.detach().cpu().numpy(), phase)
         waited = time.perf_counter() - t0 - rep.time_broadcast
         slowest = float(rep.seconds[1:].max())
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
@@ -293,15 +331,19 @@ class RemoteClients:
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
                  adapt: tuple[int, float] | None = None,
-                 local: torch.Tensor | None = None, ids: np.ndarray | None = None) -> EvalReply:
+                 local: torch.Tensor | None = None, ids: np.ndarray | None = None,
+                 window: int | None = None, on_progress: OnProgress | None = None
+                 ) -> EvalReply:
         """As :meth:`LocalClients.evaluate`, on the workers: all K clients in static shares,
-        or the clients ``ids`` in blocks of about equal test samples."""
+        or the clients ``ids`` in blocks of about equal test samples; ``on_progress`` is told
+        the clients done on all workers together, and when it returns False every worker
+        stops at its next window (:class:`mpifl.runtime.protocol.Eval`)."""
         counts = (self._eval_counts if ids is None else
                   rank_counts(split_by_samples(self.fed.num_test[ids], self.transport.workers)))
         return self.transport.eval.request(
             w.detach().cpu().numpy(), counts, self._width,
             None if personal is None else personal.detach().cpu().numpy(), adapt,
-            None if local is None else local.detach().cpu().numpy(), ids)
+            None if local is None else local.detach().cpu().numpy(), ids, window, on_progress)
 
     def stop(self, code: int = 0) -> None:
         self.transport.stop.request(code)

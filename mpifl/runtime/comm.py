@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from mpifl.core.errors import PeerLost
+from mpifl.runtime import init_watch
 
 #: seconds between a failing rank's message and its MPI_Abort (see :meth:`mpifl.runtime.protocol.MPITransport.abort`)
 ABORT_GRACE_S = 0.5
@@ -52,49 +53,32 @@ def world(init_timeout_s: float = 0.0):
 
     Args:
         init_timeout_s: seconds this rank may spend in MPI_Init (the first import of
-            ``mpi4py.MPI``; every rank waits there for all the others), 0 = forever. A rank
-            still in it then prints one line (``mpifl: error: rank r: MPI_Init did not finish
-            ...``) and is ended with SIGKILL, so the launcher ends every rank and a SLURM job's
-            next launch can follow. Seen under ``srun --mpi=pmi2`` when the PMI exchange breaks
-            (slurm/README.md).
+            ``mpi4py.MPI``; every rank waits there for all the others), 0 = forever. Then the
+            first waiting rank of the node prints one line naming the ranks that did not reach
+            MPI_Init (:mod:`mpifl.runtime.init_watch`: when every rank runs on this node; else
+            the ranks that arrived here) and every waiting rank is ended with SIGKILL, so the
+            launcher ends the job and a SLURM job's next launch can follow. Seen under
+            ``srun --mpi=pmi2`` when the PMI exchange breaks (slurm/README.md).
     """
     try:
         import mpi4py  # noqa: F401  (installed? MPI_Init comes with mpi4py.MPI)
     except ImportError:
         return None
-    watchdog = (_init_watchdog(init_timeout_s)
-                if init_timeout_s > 0 and "mpi4py.MPI" not in sys.modules else None)
+    if init_timeout_s <= 0 or "mpi4py.MPI" in sys.modules:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    rank, agent = launched_rank(), init_watch.launcher_agent()
+    mark = init_watch.mark_arrival(agent, rank)
+    watchdog = init_watch.start(init_timeout_s, rank, launched_size(), agent)
     try:
         from mpi4py import MPI
     finally:
-        if watchdog is not None:
-            watchdog.stdin.close()  # the watchdog reads end-of-file and leaves
-            watchdog.wait()
+        watchdog.stdin.close()  # the watchdog reads end-of-file and leaves
+        watchdog.wait()
+        if mark is not None:
+            mark.close()
     return MPI.COMM_WORLD
-
-
-#: The init watchdog, a separate small process: nothing in this one can run while it is inside
-#: MPI_Init (the import holds the interpreter). It waits for its standard input to close (MPI_Init
-#: returned, or this process died) for at most the timeout; then it prints one line and ends
-#: this process.
-_WATCHDOG = """
-import os, select, signal, sys
-pid, timeout, rank = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
-if not select.select([sys.stdin], [], [], timeout)[0]:
-    sys.stderr.write(f"mpifl: error: rank {rank}: MPI_Init did not finish within "
-                     f"run.init_timeout_s = {timeout:g} s (a rank did not start or stopped before "
-                     "it, or the launcher's PMI exchange broke); ending this rank\\n")
-    sys.stderr.flush()
-    os.kill(pid, signal.SIGKILL)
-"""
-
-
-def _init_watchdog(timeout_s: float):
-    import subprocess
-
-    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), f"{timeout_s:g}",
-                             str(launched_rank())], stdin=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL)
 
 
 def launched_rank() -> int:

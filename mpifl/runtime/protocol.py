@@ -2,7 +2,7 @@
 holding both of its ends.
 
 Every request from rank 0 starts with a ``Bcast`` of a small float64 header
-``[command, round, lr, m, flag]``, then, depending on the command:
+``[command, round, lr, m, flag, window]``, then, depending on the command:
 
 * ``TRAIN``: ``Bcast`` of the selected client ids (m,) int64, of the global parameters (d,)
   float32 and, when the trainer takes them (:class:`mpifl.clients.Columns`), of the round inputs
@@ -27,7 +27,15 @@ Every request from rank 0 starts with a ``Bcast`` of a small float64 header
   gathered last; round and lr are 0 in an EVAL header without it. With bit :data:`LOCAL`
   (local BatchNorm), ``Scatterv`` of every client's local coordinates (K, s) float32 (s =
   the trainer's state width) comes before the evaluation, and each client is evaluated with
-  its own.
+  its own. A lazy population's share goes through the trainer in windows of about the header's
+  ``window`` samples (``run.eval_window_samples``), and beside the collectives runs a small
+  point-to-point channel (:class:`EvalWatch`, :class:`EvalReport`): each worker sends rank 0
+  ``[done, total, final]`` (its clients evaluated so far) at most every :data:`REPORT_S`
+  between windows and once before its results, and rank 0, which polls them while it waits,
+  sends each worker exactly one verdict: 1 as soon as the server asks to stop (a signal; the
+  worker then stops at its next window and replies NaN for the clients it did not reach), else
+  0 once every worker has its results. Exactly one verdict and one final message a worker and
+  request, so nothing is left unmatched, and the gathers that follow are unchanged.
 * ``CHECKPOINT`` (sharded server only): the shard ranks write their blocks of the rule's state
   into the checkpoint of the round carried in the header (:mod:`mpifl.runtime.sharding`);
   ``Gather`` of every rank's status (0 = written).
@@ -64,10 +72,15 @@ from mpifl.core.wire import Columns
 from mpifl.runtime.comm import ABORT_GRACE_S, peak_rss_bytes, rank_counts, wait_idle
 
 STOP, TRAIN, EVAL, LOSSES, CHECKPOINT = 0, 1, 2, 3, 4
-HEADER_LEN = 5
+HEADER_LEN = 6
 #: Bits of an EVAL header's flag: per-client parameters follow (Ditto); evaluate after local
 #: adaptation too (run.adapt_epochs); per-client local coordinates follow (local BatchNorm).
 PERSONAL, ADAPTED, LOCAL = 1, 2, 4
+#: Tags of an EVAL's point-to-point channel: a worker's progress, rank 0's verdict.
+PROGRESS_TAG, VERDICT_TAG = 0x6D70, 0x6D71
+#: Seconds between rank 0's looks at the progress messages (and the stop) while workers
+#: evaluate; the least seconds between two progress messages of a worker.
+POLL_S, REPORT_S = 0.05, 0.25
 
 @dataclass
 class TrainRequest:
@@ -83,6 +96,7 @@ class TrainRequest:
     personal: np.ndarray | None = None  # (K_r, d) float32 per-client parameters (EVAL)
     local: np.ndarray | None = None  # (K_r, s) float32 per-client local coordinates (EVAL)
     adapt: bool = False  # EVAL: evaluate after local adaptation too (round, lr as above)
+    window: int = 0  # EVAL: samples of a lazy population's window (0: the default)
 
 
 @dataclass
@@ -112,6 +126,8 @@ class EvalReply:
     bytes_moved: int = 0
     #: (size,) float64 every rank's peak resident bytes (getrusage) after the evaluation
     peak_rss: np.ndarray | None = None
+    #: stopped before every client was evaluated (a stop request): drop it, the arrays hold NaN
+    stopped: bool = False
 
 
 class Wire:
@@ -148,19 +164,21 @@ class Wire:
         self.shard_bounds = shard_bounds
 
     def bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
-                     flag: int = 0):
+                     flag: int = 0, window: int = 0):
         if self.rank == 0:
-            self.header[:] = (command, rnd, lr, m, flag)
+            self.header[:] = (command, rnd, lr, m, flag, window)
         # workers may wait here through a whole aggregation: sleep instead of spinning
         wait_idle(self.comm.Ibcast([self.header, self.MPI.DOUBLE], root=0),
                   timeout=self.peer_timeout, waiting_for="rank 0" if self.rank else "a worker rank")
-        c, r, lr_, m_, f = self.header
-        return int(c), int(r), float(lr_), int(m_), int(f)
+        c, r, lr_, m_, f, win = self.header
+        return int(c), int(r), float(lr_), int(m_), int(f), int(win)
 
-    def results_ready(self) -> None:
+    def results_ready(self, poll=None) -> None:
         """Rank 0 and the workers meet here once every worker has its results, so that rank 0
-        sleeps through the workers' training or evaluation instead of spinning in a Gatherv."""
-        wait_idle(self.comm.Ibarrier(), timeout=self.peer_timeout,
+        sleeps through the workers' training or evaluation instead of spinning in a Gatherv;
+        ``poll()`` runs every :data:`POLL_S` meanwhile (rank 0: an evaluation's progress)."""
+        request = self.comm.Ibarrier()
+        wait_idle(request if poll is None else _Polled(request, poll), timeout=self.peer_timeout,
                   waiting_for="rank 0" if self.rank else "a worker rank")
 
     def collective(self, name: str, *args, root: int = 0) -> None:
@@ -253,6 +271,137 @@ class Wire:
         return recv
 
 
+class _Polled:
+    """An MPI request whose ``Test`` also runs ``poll()`` every :data:`POLL_S`, so that
+    :func:`mpifl.runtime.comm.wait_idle` (its sleeps and its timeout) serves a polling wait."""
+
+    def __init__(self, request, poll) -> None:
+        self.request, self.poll, self.next = request, poll, 0.0
+
+    def Test(self) -> bool:  # noqa: N802 -- mpi4py's name
+        now = time.monotonic()
+        if now >= self.next:
+            self.poll()
+            self.next = now + POLL_S
+        return self.request.Test()
+
+
+class EvalWatch:
+    """Rank 0's end of one EVAL's progress channel (see the module docstring).
+
+    Args:
+        wire: the :class:`Wire`. total: the clients of the evaluation.
+        on_progress: ``on_progress(done, total) -> bool``, told the clients done on all
+            workers together at every poll; False sends every worker the verdict to stop.
+    """
+
+    def __init__(self, wire: Wire, total: int, on_progress=None) -> None:
+        self.wire, self.total, self.on_progress = wire, total, on_progress
+        self.done = np.zeros(wire.size, np.int64)
+        self.share = np.zeros(wire.size, np.int64)  # each worker's clients
+        self.final = np.zeros(wire.size, bool)
+        self.final[0] = True
+        self.sent = False
+        self.sends: list = []
+        self.buf = np.empty(3, np.float64)
+
+    def poll(self) -> None:
+        """Take the progress messages that arrived; ask to stop if ``on_progress`` says so."""
+        x, status = self.wire, self.wire.MPI.Status()
+        while x.comm.Iprobe(source=x.MPI.ANY_SOURCE, tag=PROGRESS_TAG, status=status):
+            self._receive(status.Get_source())
+        keep_going = self.on_progress is None or self.on_progress(int(self.done.sum()),
+                                                                  self.total)
+        if not keep_going and not self.sent:
+            self._verdicts(1.0)
+
+    def settle(self) -> None:
+        """After every worker has its results: the verdict 0 if none was sent, then every
+        worker's final message (sent before its results, so it is there or on its way)."""
+        if not self.sent:
+            self._verdicts(0.0)
+        for r in range(1, self.wire.size):
+            while not self.final[r]:
+                self._receive(r)
+        if self.on_progress is not None:
+            self.on_progress(int(self.done.sum()), self.total)
+
+    def close(self) -> None:
+        """Complete the verdicts' sends (each worker posted its receive before evaluating)."""
+        for request, _ in self.sends:
+            wait_idle(request, timeout=self.wire.peer_timeout, waiting_for="a worker rank")
+        self.sends.clear()
+
+    @property
+    def complete(self) -> bool:
+        """Every worker evaluated all its clients (a late stop verdict changed nothing)."""
+        return bool(np.all(self.done == self.share))
+
+    def _receive(self, source: int) -> None:
+        x = self.wire
+        wait_idle(x.comm.Irecv([self.buf, x.MPI.DOUBLE], source=source, tag=PROGRESS_TAG),
+                  timeout=x.peer_timeout, waiting_for=f"rank {source}")
+        done, share, final = self.buf
+        self.done[source], self.share[source] = int(done), int(share)
+        self.final[source] = bool(final)
+
+    def _verdicts(self, value: float) -> None:
+        x, self.sent = self.wire, True
+        for r in range(1, x.size):
+            buf = np.array([value], np.float64)
+            self.sends.append((x.comm.Isend([buf, x.MPI.DOUBLE], dest=r, tag=VERDICT_TAG), buf))
+
+
+class EvalReport:
+    """A worker's end of one EVAL's progress channel (see the module docstring): called as
+    ``report(done, total) -> bool`` between windows (:data:`mpifl.runtime.backends.OnProgress`);
+    False once rank 0's verdict says stop. Built when the request arrives (its verdict's
+    receive is posted then)."""
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire, self.done, self.total = wire, 0, 0
+        self.verdict = np.zeros(1, np.float64)
+        self.request = wire.comm.Irecv([self.verdict, wire.MPI.DOUBLE], source=0,
+                                       tag=VERDICT_TAG)
+        self.arrived = False
+        self.sends: list = []
+        self.last = -np.inf
+
+    def __call__(self, done: int, total: int) -> bool:
+        self.done, self.total = done, total
+        if time.monotonic() - self.last >= REPORT_S:
+            self._send(0.0)
+        return not self.stop
+
+    @property
+    def stop(self) -> bool:
+        """Rank 0's verdict has come and says stop."""
+        if not self.arrived:
+            self.arrived = bool(self.request.Test())
+        return self.arrived and self.verdict[0] == 1.0
+
+    def end(self) -> None:
+        """The final message, before the results."""
+        self._send(1.0)
+
+    def close(self) -> None:
+        """After the results: the verdict (rank 0 sends it at the latest once every worker has
+        its results) and the sends complete."""
+        x = self.wire
+        if not self.arrived:
+            wait_idle(self.request, timeout=x.peer_timeout, waiting_for="rank 0")
+        for request, _ in self.sends:
+            wait_idle(request, timeout=x.peer_timeout, waiting_for="rank 0")
+        self.sends.clear()
+
+    def _send(self, final: float) -> None:
+        x = self.wire
+        self.sends = [(r, b) for r, b in self.sends if not r.Test()]
+        buf = np.array([self.done, self.total, final], np.float64)
+        self.sends.append((x.comm.Isend([buf, x.MPI.DOUBLE], dest=0, tag=PROGRESS_TAG), buf))
+        self.last = time.monotonic()
+
+
 def _request(method):
     """Rank 0's ``request`` methods: ``busy`` while a request's collectives are under way, so
     that after a failure rank 0 knows whether the workers are waiting for the next header (then
@@ -289,7 +438,7 @@ class Train(Command):
     @_request
     def request(self, rnd: int, lr: float, client_ids: np.ndarray, w: np.ndarray,
                 bounds: np.ndarray, inputs: np.ndarray | None = None,
-                state: np.ndarray | None = None) -> TrainReply:
+                state: np.ndarray | None = None, phase=None) -> TrainReply:
         """Rank 0: send a TRAIN request and collect the results.
 
         Args:
@@ -297,6 +446,8 @@ class Train(Command):
             bounds: (workers + 1,) block bounds from :func:`mpifl.runtime.comm.split_by_samples`.
             inputs: (columns.inputs,) float64 round inputs (required when columns.inputs > 0).
             state: (m, columns.state) float32 state rows (required when columns.state > 0).
+            phase: called ``phase("gathering")`` once every worker has trained (progress
+                lines), or None.
         """
         x, m = self.wire, len(client_ids)
         cols = x.columns
@@ -314,6 +465,8 @@ class Train(Command):
             sent += m * cols.state * 4
         t_bcast = time.perf_counter() - t0
         x.results_ready()
+        if phase is not None:
+            phase("gathering")
         if x.shard_bounds is None:
             updates = x.updates_buffer(m)
             x.gatherv(np.empty(0, np.float32), blocks * x.d, updates, x.MPI.FLOAT)
@@ -403,7 +556,8 @@ class Eval(Command):
     @_request
     def request(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
                 personal: np.ndarray | None = None, adapt: tuple[int, float] | None = None,
-                local: np.ndarray | None = None, ids: np.ndarray | None = None) -> EvalReply:
+                local: np.ndarray | None = None, ids: np.ndarray | None = None,
+                window: int | None = None, on_progress=None) -> EvalReply:
         """Rank 0: evaluate all K clients on the workers, or the clients ``ids``.
 
         Args:
@@ -418,13 +572,18 @@ class Eval(Command):
             ids: (n,) int64 ascending, the clients to evaluate (``run.eval_clients``; the
                 workers' blocks by test samples, ``counts`` theirs), or None for all K clients
                 (each worker its static share). ``personal`` and ``local`` then hold n rows.
+            window: samples of a lazy population's window (``run.eval_window_samples``; None:
+                the workers' default).
+            on_progress: ``on_progress(done, total) -> bool`` (:class:`EvalWatch`): told the
+                clients evaluated so far every :data:`POLL_S`; False stops every worker at its
+                next window, and the reply is then ``stopped`` unless all had finished.
         """
         x, k = self.wire, int(counts.sum())
         m = 0 if ids is None else len(ids)
         flag = ((PERSONAL if personal is not None else 0) | (ADAPTED if adapt is not None else 0)
                 | (LOCAL if local is not None else 0))
         rnd, lr = adapt if adapt is not None else (0, 0.0)
-        x.bcast_header(EVAL, rnd, lr, m, flag)
+        x.bcast_header(EVAL, rnd, lr, m, flag, window or 0)
         if m:
             sent = x.workers * (x.header.nbytes + x.bcast_ids_w(ids, w).nbytes + x.w.nbytes)
         else:
@@ -438,7 +597,9 @@ class Eval(Command):
             local = np.ascontiguousarray(local, dtype=np.float32)
             x.scatterv(local, counts * x.columns.state, x.columns.state, 0)
             sent += local.nbytes
-        x.results_ready()
+        watch = EvalWatch(x, k, on_progress)
+        x.results_ready(watch.poll)
+        watch.settle()
         reply = EvalReply(x.gather_f64(counts), x.gather_f64(counts))
         if width:
             reply.counts = x.gather_f64(counts, width)
@@ -451,6 +612,8 @@ class Eval(Command):
         extra = 2 * ((personal is not None) + (adapt is not None))
         reply.bytes_moved = sent + 8 * k * (2 + width + extra)
         reply.peak_rss = x.gather_rank_stats(0.0)[:, 1]
+        watch.close()
+        reply.stopped = not watch.complete
         return reply
 
     def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
@@ -465,18 +628,26 @@ class Eval(Command):
             req.local = x.scatterv(None, None, x.columns.state, bounds_of(EVAL, req.client_ids))
         req.adapt = bool(flag & ADAPTED)
 
-    def reply(self, accuracy: np.ndarray, loss: np.ndarray, stats: np.ndarray | None,
-              personal: tuple[np.ndarray, np.ndarray] | None = None,
+    def report(self) -> EvalReport:
+        """Worker, on an EVAL request: its end of the progress channel (pass it to
+        :meth:`reply`)."""
+        return EvalReport(self.wire)
+
+    def reply(self, report: EvalReport, accuracy: np.ndarray, loss: np.ndarray,
+              stats: np.ndarray | None, personal: tuple[np.ndarray, np.ndarray] | None = None,
               adapted: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Worker: this rank's share of accuracies, losses, (if any) statistics, (for a
         personal evaluation) the personal accuracies and losses and (for an adapted one) the
-        adapted accuracies and losses, each (K_r,) float64."""
+        adapted accuracies and losses, each (K_r,) float64; ``report`` (:meth:`report`) sends
+        its final message first and takes rank 0's verdict after."""
+        report.end()
         self.wire.results_ready()
         arrays = ([accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
                   + list(adapted or ()))
         for a in arrays:
             self.wire.send_block(a, np.float64)
         self.wire.gather_rank_stats(0.0)  # peak memory after the evaluation
+        report.close()
 
 
 class Checkpoint(Command):
@@ -534,8 +705,9 @@ class MPITransport:
                 rank's block of a TRAIN (selected clients) or EVAL (all clients) request; needed
                 to receive state rows or per-client parameters.
         """
-        command, rnd, lr, m, flag = self.wire.bcast_header()
-        req = TrainRequest(command, rnd, lr, np.empty(m, dtype=np.int64), self.wire.w)
+        command, rnd, lr, m, flag, window = self.wire.bcast_header()
+        req = TrainRequest(command, rnd, lr, np.empty(m, dtype=np.int64), self.wire.w,
+                           window=window)
         self._by_code[command].receive(req, flag, bounds_of)
         return req
 

@@ -25,7 +25,8 @@ from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
                                    loss_summary)
 from mpifl.runtime.plan import RoundPlan
-from mpifl.runtime.progress import ProgressLog
+from mpifl.runtime.progress import BAR_FORMAT, ProgressLog
+from mpifl.runtime.schedule import CheckpointSchedule
 from mpifl.store.checkpoint import Checkpoint, save
 
 log = logging.getLogger("mpifl.server")
@@ -97,8 +98,8 @@ class Server:
         writer: a :class:`mpifl.store.ResultsWriter` (its history goes into checkpoints).
         device: where aggregation runs.
         checkpoints: the checkpoint folder (``RUN.h5.ckpt``), or None for no checkpoints.
-        stop: a :class:`mpifl.runtime.signals.StopRequest`; when set, the loop checkpoints after the
-            current round and returns early.
+        stop: a :class:`mpifl.runtime.signals.StopRequest`; when set, the loop stops within
+            seconds, checkpoints and returns early (:meth:`run` says where each phase stops).
         meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
         loggers: a :class:`mpifl.runtime.loggers.LoggerSet` told every round, or None.
         optimizer: the server optimizer applied to every step of the rule
@@ -122,57 +123,163 @@ class Server:
         self.optimizer = optimizer
         # a regression loss: no accuracy; the clients' test losses are summarised instead
         self.regression = getattr(writer.history, "loss_metrics", False)
+        self.lines = ProgressLog(plan.rounds, 0, 0.0, plan=plan)  # run() makes the real one
+        self._saved: int | None = None  # rounds done at the newest checkpoint
+        self._stopped_at = (0, 0)  # clients done and in all of the evaluation a stop ended
 
     def run(self, w: torch.Tensor, start: int = 0, progress: bool = True) -> tuple[torch.Tensor, bool]:
-        """Run rounds ``start .. plan.rounds-1``.
+        """Run rounds ``start .. plan.rounds-1`` (first, after a resume, the evaluation a stop
+        request interrupted, :meth:`_evaluate_pending`).
+
+        A stop request (:class:`mpifl.runtime.signals.StopRequest`) is acted on within seconds
+        in every phase, and the state saved is always that after a whole round:
+
+        - during training (or before it): the training ends (one call per worker), then the
+          round is dropped and the checkpoint holds the state after the round before; resume
+          runs the round again, as it would have run. On a sharded server the shards are
+          already aggregating, so that round is aggregated and then stops as below;
+        - during aggregation (one call, not interruptible): the round ends, its evaluation is
+          not started;
+        - during an evaluation: every worker stops at its next window of a lazy population's
+          clients (``run.eval_window_samples``); the evaluation is dropped, the checkpoint
+          holds the state after the round without its /eval row, and ``mpifl resume`` runs that
+          evaluation first, so the results equal an uninterrupted run's bit for bit;
+        - while the round's results or its checkpoint are written: after them.
 
         Returns:
             The global parameters (d,) float32 after the last round run, and whether every
             round was run (False when a stop request ended the loop early, after a checkpoint).
         """
         plan = self.plan
-        rounds, every = plan.rounds, plan.checkpoint_every
-        periodic = every != 0  # 0: only at the end and on a stop request
-        minutes = plan.checkpoint_minutes if periodic else 0.0
+        rounds = plan.rounds
+        periodic = plan.checkpoint_every != 0  # 0: only at the end and on a stop request
+        schedule = CheckpointSchedule(rounds, plan.checkpoint_every,
+                                      plan.checkpoint_minutes if periodic else 0.0,
+                                      plan.checkpoint_share)
         bar = tqdm(range(start, rounds), desc=plan.name, unit="round", initial=start,
-                   total=rounds, disable=None if progress else True, dynamic_ncols=True)
-        lines = ProgressLog(rounds, start, plan.progress_every_s)
+                   total=rounds, disable=None if progress else True, dynamic_ncols=True,
+                   bar_format=BAR_FORMAT)
+        self.lines = ProgressLog(rounds, start, plan.progress_every_s, plan=plan,
+                                 num_clients=self.fed.num_clients, bar=bar)
+        self._saved = start if start else None  # rounds done at the newest checkpoint
         w = w.to(self.device)
-        if start == 0 and periodic:
-            self.checkpoint(0, w)  # from now on `mpifl resume` always has a config to go on
-        saved = time.monotonic()
-        for rnd in bar:
-            w, row = self._round(rnd, w)
-            if isinstance(self.aggregator, ObservesParams):
-                self.aggregator.observe_params(w)
-            summary = None
-            if eval_due(rnd, rounds, plan.eval_every):
-                row["time_eval"], summary = self._evaluate(rnd, w, row)
-                key = "loss/" if self.regression else ""
-                bar.set_postfix({"loss" if key else "acc": f"{summary[key + 'mean']:.4g}",
-                                 "worst5": f"{summary[key + 'worst5']:.4g}"})
-            lines.round_done(rnd, row, summary)
-            stopping = self.stop is not None and self.stop.requested
-            timed = bool(minutes) and time.monotonic() - saved >= 60.0 * minutes
-            due = (stopping or rnd + 1 == rounds or timed
-                   or bool(every and (rnd + 1) % every == 0))
-            self.writer.append_round(row, flush=not due)  # a checkpoint round writes below
-            if self.loggers is not None:
-                self.loggers.log_round(rnd, row, summary)
-            if due:  # the checkpoint first: if the results write then fails, it has the round
-                t0 = time.perf_counter()
-                if self.checkpoint(rnd + 1, w):
-                    self.writer.set_last_round("time_checkpoint", time.perf_counter() - t0)
-                    saved = time.monotonic()
-                else:
-                    self.writer.flush()
-            if stopping and rnd + 1 < rounds:
-                log.warning("stop requested (%s): checkpointed after round %d of %d",
-                            self.stop.reason, rnd + 1, rounds)
+        with self.lines.running():
+            try:
+                if start == 0 and periodic:
+                    self.checkpoint(0, w)  # from now on `mpifl resume` always has a config to go on
+                schedule.start(start)
+                if not self._evaluate_pending(start, w):
+                    return w, False
+                for rnd in bar:
+                    w, going = self._run_round(rnd, w, schedule)
+                    if not going:
+                        return w, False
+            finally:
                 bar.close()
-                return w, False
-        bar.close()
         return w, True
+
+    def _run_round(self, rnd: int, w: torch.Tensor, schedule) -> tuple[torch.Tensor, bool]:
+        """Round ``rnd``: train, aggregate, evaluate when due, write its row and checkpoint.
+        Returns the parameters and False when a stop request ends the run here."""
+        plan, lines, rounds = self.plan, self.lines, self.plan.rounds
+        lines.round_begins(rnd)
+        moved, row = self._round(rnd, w)
+        if row is None:  # stopped at its training: the round is dropped
+            if self._saved != rnd:
+                self._checkpoint_now(rnd, w)
+            self.writer.flush()
+            self._log_stop(rnd, f" (round {rnd + 1} was stopped at its training; it runs "
+                                "again on resume)")
+            return w, False
+        w = moved
+        if isinstance(self.aggregator, ObservesParams):
+            self.aggregator.observe_params(w)
+        summary, evaluated = None, True
+        if eval_due(rnd, rounds, plan.eval_every):
+            summary = self._evaluate_round(rnd, w, row)
+            evaluated = summary is not None
+        lines.round_done(rnd, row, summary)
+        stopping = self._stopping()
+        due = schedule.due(rnd + 1, stopping)
+        lines.begin("writing results", rnd + 1)
+        self.writer.append_round(row, flush=not due)  # a checkpoint round writes below
+        if self.loggers is not None and evaluated:  # else logged when resume evaluates it
+            self.loggers.log_round(rnd, row, summary)
+        if due:  # the checkpoint first: if the results write then fails, it has the round
+            self._checkpoint_timed(rnd + 1, w, schedule)
+        lines.end()
+        if self._stopping() and (rnd + 1 < rounds or not evaluated):
+            if not due:  # the request came while the round was written
+                self._checkpoint_timed(rnd + 1, w, schedule)
+            self._log_stop(rnd + 1, "" if evaluated else self._eval_stopped())
+            return w, False
+        return w, True
+
+    def _checkpoint_timed(self, rounds_done: int, w: torch.Tensor, schedule) -> None:
+        """The checkpoint after ``rounds_done`` rounds, its time in the round's row and the
+        schedule (the results file is written either way)."""
+        t0 = time.perf_counter()
+        if self._checkpoint_now(rounds_done, w):
+            cost = time.perf_counter() - t0
+            self.writer.set_last_round("time_checkpoint", cost)
+            schedule.written(rounds_done, cost)
+        else:
+            self.writer.flush()
+
+    def _checkpoint_now(self, rounds_done: int, w: torch.Tensor) -> bool:
+        self.lines.begin("checkpoint", rounds_done)
+        written = self.checkpoint(rounds_done, w)
+        self.lines.end()
+        return written
+
+    def _eval_stopped(self) -> str:
+        done, total = self._stopped_at
+        where = f"stopped at {done:,} of {total:,} clients" if total else "not started"
+        return f" without its evaluation ({where}; `mpifl resume` runs it first)"
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.requested
+
+    def _log_stop(self, rounds_done: int, detail: str) -> None:
+        log.warning("stop requested (%s): checkpointed after round %d of %d%s",
+                    self.stop.reason, rounds_done, self.plan.rounds, detail)
+
+    def _evaluate_round(self, rnd: int, w: torch.Tensor, row: dict) -> dict | None:
+        """The evaluation after round ``rnd``, its time in ``row``; None when a stop request
+        came first or stopped it (then it is left for resume, :meth:`_evaluate_pending`)."""
+        if self._stopping():
+            self._stopped_at = (0, 0)
+            return None
+        seconds, summary = self._evaluate(rnd, w, row)
+        if summary is not None:
+            row["time_eval"] = seconds
+        return summary
+
+    def _evaluate_pending(self, start: int, w: torch.Tensor) -> bool:
+        """After a resume: the evaluation after ``start`` rounds when it is due but missing
+        (a stop request interrupted it; the checkpoint holds the state it evaluates). Its row
+        goes to the results and the loggers as if the run had not stopped. False when a stop
+        request stops it again."""
+        h = self.writer.history
+        if start == 0 or not self.plan.evaluates(start) or h.eval_round[-1:] == [start]:
+            return True
+        log.info("round %d/%d: its evaluation was stopped by the last run; evaluating first",
+                 start, self.plan.rounds)
+        seconds, summary = self._evaluate(start - 1, w)
+        if summary is None:
+            self._log_stop(start, self._eval_stopped())
+            return False
+        row = {name: column[-1] for name, column in h.rounds.items()}
+        self.writer.set_last_round("time_eval", seconds)  # written with the evaluation
+        if self.loggers is not None:
+            self.loggers.log_round(start - 1, {**row, "time_eval": seconds}, summary)
+        return True
+
+    def _on_progress(self, done: int, total: int) -> bool:
+        """An evaluation's progress (:data:`mpifl.runtime.backends.OnProgress`): to the
+        progress lines; False (stop at the next window) once a stop is requested."""
+        self.lines.advance(done, total)
+        return not self._stopping()
 
     def checkpoint(self, rounds_done: int, w: torch.Tensor) -> bool:
         """Write a checkpoint of the state after ``rounds_done`` rounds (if enabled)."""
@@ -199,9 +306,13 @@ class Server:
                                          self.optimizer.state_dict().items()}
                                         if self.optimizer else {}))
         save(self.checkpoints, ckpt)
+        self._saved = rounds_done
         return True
 
-    def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+        """Round ``rnd``'s training and aggregation: the parameters after it and its /rounds
+        row; the row is None when a stop request dropped the round (before or right after its
+        training, when nothing of it is kept yet)."""
         plan = self.plan
         lr = plan.lr_at(rnd)
         selected = select_clients(plan.seed, rnd, self.fed.num_train, plan.clients_per_round,
@@ -216,11 +327,18 @@ class Server:
                "selected": selected, "aggregated": np.zeros(len(selected), dtype=bool)}
         if len(ids) == 0:
             return w, row  # everyone dropped out: the model does not move
-        agg = self.aggregator
+        if self._stopping():
+            return w, None  # stopped before training: drop the round
+        agg, lines = self.aggregator, self.lines
         state = (self.local.of(ids).to(w.device) if self.local is not None
                  else agg.client_state(ids, w) if isinstance(agg, PersonalModels) else None)
         inputs = agg.round_inputs() if isinstance(agg, RoundInputs) else None
-        res = self.clients.train(rnd, lr, ids, w, inputs, state)
+        lines.begin("training", rnd + 1)
+        res = self.clients.train(rnd, lr, ids, w, inputs, state,
+                                 phase=lambda name: lines.begin(name, rnd + 1))
+        if self.shard is None and self._stopping():
+            return w, None  # nothing of the round is kept yet: drop it
+        lines.begin("aggregation", rnd + 1)
         row.update(train_loss=float(res.losses.double().mean()), bytes_moved=res.bytes_moved,
                    time_broadcast=res.time_broadcast, time_train=res.time_train,
                    time_gather=res.time_gather, peak_rss_server_mb=res.peak_rss_server / 2**20,
@@ -240,9 +358,13 @@ class Server:
         kept = ids[keep_np]
         row["aggregated"] = np.isin(selected, kept)
 
+        asked = [0]
+
         def loss_at(step: torch.Tensor) -> torch.Tensor:  # an evaluation-only request
             losses, nbytes = self.clients.losses(kept, w - step.to(w))
             row["bytes_moved"] += nbytes
+            asked[0] += 1
+            lines.advance(asked[0], unit="loss requests")
             return losses.float()
 
         r = RoundUpdates(round=rnd, client_ids=kept, updates=updates, losses=res.losses[keep],
@@ -303,14 +425,18 @@ class Server:
             return None
         return rnd + 1, self.plan.lr_at(rnd + 1)
 
-    def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None) -> tuple[float, dict]:
+    def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None
+                  ) -> tuple[float, dict | None]:
         """Evaluate every client (or ``plan.eval_clients`` of them, keyed by the round, unless
         this evaluation is a full one); the round's ``row`` gets the peak memory after it.
-        Untested clients' values are NaN."""
+        Untested clients' values are NaN. Returns the seconds and the summary, None (nothing
+        recorded) when a stop request stopped it."""
         t0 = time.perf_counter()
         agg, k = self.aggregator, self.fed.num_clients
         ids = (None if self.plan.tests_all(rnd + 1) else
                eval_sample(self.plan.seed, rnd + 1, k, self.plan.eval_clients))
+        self.lines.begin("evaluation", rnd + 1, k if ids is None else len(ids),
+                         full=ids is None)
         rows = (lambda a: a) if ids is None else (lambda a: a[torch.from_numpy(ids).to(a.device)])
         own = agg.personal_params(w) if isinstance(agg, PersonalModels) else None
         rep = self.clients.evaluate(agg.evaluation_params(w) if isinstance(agg, ObservesParams)
@@ -318,7 +444,11 @@ class Server:
                                     None if own is None else rows(own),
                                     self._adapt(rnd),
                                     None if self.local is None else rows(self.local.rows),
-                                    ids=ids)
+                                    ids=ids, window=self.plan.eval_window_samples,
+                                    on_progress=self._on_progress)
+        if rep.stopped:  # where it stopped, for the log
+            self._stopped_at = (self.lines.phase.done, self.lines.phase.total)
+        self.lines.end(complete=not rep.stopped)
         tested = self.fed.num_test if ids is None else self.fed.num_test[ids]
         acc, loss = rep.accuracy, rep.loss
         if row is not None and rep.peak_rss is not None:  # evaluation often peaks highest
@@ -326,6 +456,8 @@ class Server:
             row["peak_rss_server_mb"] = max(row["peak_rss_server_mb"], float(mb[0]))
             row["peak_rss_worker_mb"] = max(row["peak_rss_worker_mb"], float(mb[1:].max()
                                                                              if len(mb) > 1 else mb[0]))
+        if rep.stopped:
+            return time.perf_counter() - t0, None
         summary = client_summary(acc, tested)
         if rep.counts is not None:  # summed over clients: the union of all test data
             union = rep.counts.sum(axis=0).reshape(-1, 2, 3)

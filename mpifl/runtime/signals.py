@@ -1,9 +1,12 @@
 """Stop requests: SIGTERM and SIGUSR1 (what SLURM sends before a time limit or preemption), and
 SIGINT (Ctrl-C), which takes the same path: a second SIGINT interrupts at once.
 
-Every rank installs the handler, so no rank dies mid-collective; only rank 0 acts on it: it
-finishes the current round, writes a checkpoint, releases the workers and every rank exits with
-:data:`EXIT_CHECKPOINTED`.
+Every rank installs the handler, so no rank dies mid-collective; only rank 0 acts on it, within
+seconds in any phase (:meth:`mpifl.runtime.server.Server.run` lists them): a round stopped at its
+training is dropped (resume runs it again), an evaluation stops at its next window on every
+worker and is left for ``mpifl resume`` to run first, an aggregation or a checkpoint write ends
+first. Rank 0 then checkpoints the state after the last whole round, releases the workers (STOP)
+and every rank exits with :data:`EXIT_CHECKPOINTED`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ _PROCESS: "StopRequest | None" = None
 
 
 class StopRequest:
-    """Set by SIGTERM/SIGUSR1; read by the server loop at the end of each round."""
+    """Set by SIGTERM/SIGUSR1; read by the server loop between phases and, while the workers
+    evaluate, every :data:`mpifl.runtime.protocol.POLL_S` seconds."""
 
     def __init__(self) -> None:
         self.reason: str | None = None

@@ -4,7 +4,9 @@ until STOP.
 A worker trains its contiguous block of each round's selected clients as one vectorised
 computation, and evaluates a static share of all K clients (blocks by test-set size). On a lazy
 population (:mod:`mpifl.data.lazy`) it draws only the clients of each request, and streams its
-share of a full evaluation in windows (:func:`mpifl.runtime.backends.stream_blocks`).
+share of a full evaluation in windows (:func:`mpifl.runtime.backends.stream_blocks`), telling
+rank 0 how far it is between windows and stopping at the next one when rank 0 asks
+(:class:`mpifl.runtime.protocol.EvalReport`).
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
                     loss = trainer.evaluate(w, idx)[1]
             transport.losses.reply(loss)
         elif req.command == EVAL:
-            transport.eval.reply(*_evaluate(trainer, fed, w, tested(req.client_ids), groups,
-                                            req, device, adapter))
+            report = transport.eval.report()
+            transport.eval.reply(report, *_evaluate(trainer, fed, w, tested(req.client_ids),
+                                                    groups, req, device, adapter, report))
 
 
 def _serve_train(transport, trainer, fed, w, req, block, device, shard) -> None:
@@ -104,9 +107,10 @@ def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
             stats_rows(cols, stats, len(ids)).cpu().numpy())
 
 
-def _evaluate(trainer, fed, w, ids, groups, req, device, adapter):
+def _evaluate(trainer, fed, w, ids, groups, req, device, adapter, report):
     """The EVAL reply's arrays for this rank's clients ``ids`` (empty when there are more ranks
-    than clients)."""
+    than clients), in windows of ``req.window`` samples, ``report`` told the clients done
+    before each (and stopping there when rank 0 says so: NaN for the rest)."""
     if not len(ids):
         width = 0 if groups is None else groups[1] * 6
         empty = (np.empty(0), np.empty(0))
@@ -114,5 +118,6 @@ def _evaluate(trainer, fed, w, ids, groups, req, device, adapter):
                 empty if req.personal is not None else None, empty if req.adapt else None)
     on = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
     out = evaluate_clients(trainer, fed, w, ids, groups, on(req.personal), on(req.local),
-                           adapter, (req.round, req.lr) if req.adapt else None)
+                           adapter, (req.round, req.lr) if req.adapt else None,
+                           req.window or None, report)
     return out.accuracy, out.loss, out.counts, out.personal, out.adapted

@@ -12,6 +12,10 @@ Layout (also in the README)::
                                     dropped out or rejected)
     /clients/num_train, num_test   (K,)   int64, each client's training / test samples
     /clients/label_counts    (K, C) int64, each client's training samples per label
+    /clients/local_state     (K, s) float32, each client's local BatchNorm coordinates at the
+                                    end of the run (model.batchnorm "local" or "local_stats";
+                                    attrs names, column_start, column_stop, offset: which
+                                    parameter each column block is and where it sits in w)
     /eval/round              (E,)   int, rounds completed at that evaluation
     /eval/client_accuracy    (E, K) float64, fraction in [0, 1], on each client's local test split
     /eval/client_loss        (E, K) float64, mean of [model] loss (cross-entropy by default)
@@ -60,7 +64,7 @@ import os
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -202,6 +206,45 @@ class ChunkCache:
         blobs = make()
         self._entries[key] = (source, blobs)
         return blobs
+
+
+class LocalState(NamedTuple):
+    """The clients' local coordinates of w (FedBN's BatchNorm rows) as the results file keeps
+    them: ``/clients/local_state``.
+
+    Attributes:
+        rows: (K, s) float32, client k's values of the s local coordinates.
+        entries: one ``(name, first column, end column, offset in w)`` per model entry the
+            columns hold (``"bn1.running_mean"``, ...), in column order.
+    """
+
+    rows: np.ndarray
+    entries: list[tuple[str, int, int, int]]
+
+    @classmethod
+    def of(cls, rows, index: np.ndarray, layout) -> "LocalState":
+        """From the (K, s) rows, their (s,) ascending positions in w and the model's
+        :class:`~mpifl.core.layout.ParamLayout` (``names``, ``offsets``, ``numels``).
+
+        Raises:
+            ValueError: positions that are not whole entries of the layout.
+        """
+        index = np.asarray(index, dtype=np.int64)
+        entries = []
+        for name, off, n in zip(layout.names, layout.offsets, layout.numels):
+            col = int(np.searchsorted(index, off))
+            if col < len(index) and index[col] == off:
+                if not np.array_equal(index[col:col + n], np.arange(off, off + n)):
+                    raise ValueError(f"local coordinates hold part of {name} only")
+                entries.append((name, col, col + n, int(off)))
+        if sum(b - a for _, a, b, _ in entries) != len(index):
+            raise ValueError("local coordinates that are not whole model entries")
+        return cls(np.asarray(rows, dtype=np.float32), entries)
+
+    @staticmethod
+    def column_names(entries) -> list[str]:
+        """One label per column: ``"bn1.running_mean[0]"``, ``"bn1.running_mean[1]"``, ..."""
+        return [f"{name}[{i}]" for name, a, b, _ in entries for i in range(b - a)]
 
 
 def _chunk_offsets(shape: tuple[int, ...], chunks: tuple[int, ...]):
@@ -439,6 +482,7 @@ class ResultsWriter:
                                      adapted_metrics, loss_metrics)
         self.clients = {k: np.asarray(v, dtype=np.int64) for k, v in (clients or {}).items()}
         self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
+        self._local: LocalState | None = None
         self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
         self._pending = self._eval_pending = False
         old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
@@ -474,6 +518,8 @@ class ResultsWriter:
                            ).attrs["unit"] = CLIENT_COLUMNS[name]
         ev["fair_angle"].attrs["unit"] = "radians"
         ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
+        if self._local is not None:
+            _write_local(f, self._local)
         if self._model is not None:
             w, layers = self._model
             g = f.create_group("model")
@@ -531,21 +577,47 @@ class ResultsWriter:
         if flush:
             self._eval_pending = True  # written with the round's row (append_round)
 
-    def finish(self, w: np.ndarray, layers: list[tuple[str, int, int]]) -> None:
-        """Write the final global model (float32) and layer map; mark the run complete.
+    def finish(self, w: np.ndarray, layers: list[tuple[str, int, int]],
+               local: LocalState | None = None) -> None:
+        """Write the final global model (float32) and layer map, and the clients' local
+        coordinates (``local``: ``/clients/local_state``, FedBN's rows) when the run keeps
+        some; mark the run complete.
 
         Call after the final checkpoint: if this write fails, the run resumes from it.
         """
         self._model = (np.asarray(w, dtype=np.float32), list(layers))
+        self._local = local
         self.attrs["status"] = "complete"
         try:
             self.flush()
         except OutputError:
-            self._model, self.attrs["status"] = None, "running"
+            self._model, self._local, self.attrs["status"] = None, None, "running"
             raise
 
     def close(self) -> None:
         """Nothing stays open between writes; kept for callers that close explicitly."""
+
+
+def _write_local(f: h5py.File, local: LocalState) -> None:
+    """``/clients/local_state`` (K, s) float32, chunked and compressed when large, with the
+    entries of its columns as attributes."""
+    d = create_dataset(f, "clients/local_state", local.rows)
+    d.attrs["unit"] = ("each client's local coordinates of w (model.batchnorm), at the end; "
+                       "columns column_start[i]:column_stop[i] are entry names[i], "
+                       "w[offset[i]:offset[i] + (column_stop[i] - column_start[i])] globally")
+    d.attrs["names"] = np.array([n for n, _, _, _ in local.entries], dtype="S")
+    for i, key in enumerate(("column_start", "column_stop", "offset"), start=1):
+        d.attrs[key] = np.array([e[i] for e in local.entries], dtype=np.int64)
+
+
+def _read_local(f: h5py.File) -> list[tuple[str, int, int, int]]:
+    """The entries of ``/clients/local_state``'s columns (empty when the file has none)."""
+    if "clients/local_state" not in f:
+        return []
+    a = f["clients/local_state"].attrs
+    names = [n.decode() if isinstance(n, bytes) else str(n) for n in a["names"]]
+    return [(n, int(s), int(e), int(o)) for n, s, e, o in
+            zip(names, a["column_start"], a["column_stop"], a["offset"])]
 
 
 #: /eval datasets that are fractions in [0, 1] (NaN allowed: no test data, or a diverged run).
@@ -730,6 +802,7 @@ def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
         for sub in ("group", "personal", "adapted", "loss"):
             ev.update({f"{sub}/{k}": get("eval", f"{sub}/{k}") for k in f["eval"].get(sub, {})})
         clients = {k: get("clients", k) for k in f.get("clients", {})}
+        local_entries = _read_local(f)
         if lazy and not sealed:
             _check_lazy(path, {k: v for k, v in ev.items() if isinstance(v, LazyArray)})
     except BaseException as exc:
@@ -761,7 +834,7 @@ def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
         handle.close()
         raise
     out = {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev,
-           "clients": clients}
+           "clients": clients, "local_entries": local_entries}
     if lazy:
         out["close"] = handle.close
     return out
@@ -784,8 +857,6 @@ def _plain(v: Any) -> Any:
 
 
 # -- reading many results files: the one route every summary and reader takes ------------------
-
-from typing import NamedTuple  # noqa: E402  (kept with the code that uses it)
 
 
 class Damaged(NamedTuple):

@@ -1,8 +1,12 @@
-"""``mpifl run JOB --seeds 0-4``: the same experiment over several seeds, as a local sweep.
+"""``mpifl run JOB --seeds 3`` (seeds 0, 1, 2) or ``--seeds 0-4``: the same experiment over
+several seeds, as a local sweep.
 
 The sweep file is written into the output folder (``DIR/seeds.toml``: the job, its ``--set``
 overrides, one grid axis ``run.seed``), so the runs are ordinary sweep runs: resumed when the
-command is repeated, extended with more seeds, and reported with ``mpifl report DIR``.
+command is repeated, extended with more seeds, and reported with ``mpifl report DIR``. The
+folder's report and ``mpifl.load(DIR)`` summarise the seeds that ``seeds.toml`` lists now, the
+last ``--seeds`` asked for (:func:`mpifl.store.sweep_index.listed_runs`); runs of other seeds
+left in the folder by an earlier call are named in one note line.
 """
 
 from __future__ import annotations
@@ -16,26 +20,40 @@ from mpifl.core.errors import ConfigError
 from mpifl.experiment.config import load_config, parse_override
 from mpifl.experiment.naming import default_out
 from mpifl.store.results import DamagedResults
+from mpifl.store.sweep_index import SEEDS_FILE
 from mpifl.sweep.launch import run_sweep
 from mpifl.sweep.plan import RunState
 from mpifl.sweep.report import report_sweep
 from mpifl.sweep.spec import load_sweep
 from mpifl.sweep.status import damaged_runs
 
-SWEEP_FILE = "seeds.toml"
+SWEEP_FILE = SEEDS_FILE
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2,5"`` -> [0, 2, 5]; ranges and lists mix (``0-2,7``).
+    """The seeds of ``--seeds``: a count or a list, never both.
+
+    ``"3"`` (one integer, no comma) -> [0, 1, 2]: three seeds, as Flower's and FLGo's
+    ``num_seeds``; ``"0-4"`` -> [0, 1, 2, 3, 4]; ``"0,2,5"`` -> [0, 2, 5]; ranges and lists mix
+    (``0-2,7``); one given seed is a list of one, with its comma: ``"5,"`` -> [5].
 
     Raises:
-        ConfigError: anything else, a descending range, or a repeated seed.
+        ConfigError: anything else, a count of 0, a descending range, or a repeated seed.
     """
+    form = ("expected a number of seeds (3: seeds 0, 1, 2), a range (0-4) or a list (0,2,5; "
+            "one seed: 5, with the comma)")
+    if re.fullmatch(r"\s*\d+\s*", text):
+        if int(text) < 1:
+            raise ConfigError(f"--seeds {text.strip()}: at least 1 seed; {form}")
+        return list(range(int(text)))
+    parts = text.split(",")
+    if len(parts) > 1 and not parts[-1].strip():
+        parts = parts[:-1]  # "5,": the list of the one seed 5
     seeds: list[int] = []
-    for part in text.split(","):
+    for part in parts:
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
-            raise ConfigError(f"--seeds {text!r}: expected seeds like 0-4 or 0,2,5")
+            raise ConfigError(f"--seeds {text!r}: {form}")
         seeds += range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1)
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"--seeds {text!r}: a seed is listed twice")

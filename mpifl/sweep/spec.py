@@ -40,7 +40,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from mpifl.experiment.naming import plain_name
 from mpifl.core.errors import ConfigError
-from mpifl.experiment.config import read_toml
+from mpifl.experiment.config import bare_key_hint, read_toml
 
 _TABLE = ConfigDict(frozen=True, extra="forbid")
 
@@ -153,16 +153,28 @@ class SweepFile(BaseModel):
 
 
 def _overrides(table: dict, where: str, *, lists: bool) -> dict[str, Any]:
-    """Check ``"section.key" = value`` entries (``lists``: values are non-empty lists): these
-    become ``--set`` overrides, whose own checks come later, per run."""
+    """Check ``"section.key" = value`` entries (or ``"section.table.key"``, a key of a nested
+    table such as ``model.params``; ``lists``: values are non-empty lists): these become
+    ``--set`` overrides, whose own checks come later, per run."""
     for key, value in table.items():
-        if key.count(".") != 1 or not all(key.split(".")):
-            raise ValueError(f"[{where}] key '{key}': expected \"section.key\"")
+        if "." not in key or not all(key.split(".")):  # section.key, or section.table.key
+            raise ValueError(f"[{where}] key '{key}': expected \"section.key\""
+                             f"{_key_hint(key, value)}")
         if lists and (not isinstance(value, list) or not value):
             raise ValueError(f"{where}.'{key}': expected a non-empty list of values, got {value!r}")
         if any(isinstance(v, dict) for v in (value if lists else [value])):
             raise ValueError(f"{where}.'{key}': tables are not allowed as values")
     return table
+
+
+def _key_hint(key: str, value: Any) -> str:
+    """What a key without its section probably meant: an unquoted dotted key (which TOML reads
+    as a table), or the closest known ``section.key``."""
+    if "." in key:
+        return ""
+    if isinstance(value, dict) and value:
+        return f"; write dotted keys in quotes: \"{key}.{next(iter(value))}\" = ..."
+    return f"; {bare_key_hint(key)}"
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """A small CNN for 1 x 8 x 8 images: Conv(8, 3x3, pad 1) ReLU MaxPool2 -> FC 32 ReLU -> FC C.
 
-No BatchNorm (its running statistics are buffers that vmapped clients cannot each carry) and no
-dropout (its masks would not be keyed by mpifl's seeds): mpifl checks both when it builds it.
+Plain layers only, so either trainer can train it (``client.trainer``: vmap over stacked
+parameters, or the per-client loop). A plugin model may also have BatchNorm and Dropout: mpifl
+then trains it with the loop trainer, where BatchNorm's running statistics are part of w (``model.batchnorm`` = "global",
+"local" for FedBN, or "local_stats") and dropout masks are keyed by (seed, round, client, step)
+(docs/ALGORITHMS.md §1 "Random layers" and §9 "BatchNorm"; examples/models/ has such a model).
 """
 
 from __future__ import annotations

@@ -1,0 +1,159 @@
+"""A bounded MPI_Init that says which ranks never reached it.
+
+Every rank waits in ``MPI_Init`` until all have entered it, and nothing can be exchanged over
+MPI before it returns. So a rank that hangs or fails before it leaves the others waiting, and
+the waiting ranks cannot ask each other who is missing. Two small things answer that on a node:
+
+* **Arrival marks.** A rank entering MPI_Init listens on an abstract Unix socket (Linux; no
+  file) named after the launcher's agent on this node — the ``hydra_pmi_proxy``, ``slurmstepd``
+  or ``prted`` process that started the node's ranks — and its rank; it closes it once
+  MPI_Init returns. Any process on the node can test whether rank r has arrived.
+* **The watchdog**, a small process each rank starts before MPI_Init (nothing in the rank
+  itself runs while MPI_Init holds the interpreter). After ``run.init_timeout_s`` it claims the
+  node's report (one more abstract name: the first watchdog to fire prints, the others stay
+  quiet), tests the marks and prints one line: the ranks that did not arrive when every rank
+  runs on this node; else those that arrived here. Then it ends its rank with SIGKILL and the
+  launcher ends the rest.
+
+Without a known agent (a wrapper script between the launcher and Python, another OS) the line
+says only that this rank waited.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from mpifl.runtime.installs import rank_ranges
+
+#: process names of the launchers' per-node agents (MPICH, SLURM, Open MPI / PRRTE)
+AGENTS = ("hydra_pmi_proxy", "slurmstepd", "prted", "orted", "prterun", "mpirun", "mpiexec")
+
+
+def launcher_agent(pid: int | None = None) -> int | None:
+    """The pid of the nearest ancestor of ``pid`` (this process) that is a launcher's agent,
+    or None (no /proc, or none found)."""
+    pid = os.getpid() if pid is None else pid
+    for _ in range(64):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        if parent <= 1:
+            return None
+        try:
+            name = Path(f"/proc/{parent}/comm").read_text().strip()
+        except OSError:
+            return None
+        if name in AGENTS:
+            return parent
+        pid = parent
+    return None
+
+
+def _address(agent: int, what: str) -> str:
+    return f"\0mpifl-init-{agent}-{what}"
+
+
+def mark_arrival(agent: int | None, rank: int) -> socket.socket | None:
+    """Rank ``rank`` has reached MPI_Init: listen on its mark until the returned socket is
+    closed (None: no agent, or the OS has no abstract sockets)."""
+    if agent is None:
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(_address(agent, str(rank)))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def arrived(agent: int, size: int) -> list[int]:
+    """The ranks of ``size`` whose arrival mark is up on this node."""
+    found = []
+    for rank in range(size):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(_address(agent, str(rank)))
+                found.append(rank)
+            except OSError:
+                pass
+    return found
+
+
+def message(rank: int, size: int, timeout_s: float, here: list[int] | None,
+            node_size: int | None) -> str:
+    """The watchdog's line (without ``mpifl: error:``).
+
+    Args:
+        rank: the rank whose watchdog fired; size: ranks in the job.
+        here: the ranks whose arrival mark is up on this node (None: marks unavailable).
+        node_size: ranks the launcher started on this node (None: not known).
+    """
+    bound = f"run.init_timeout_s = {timeout_s:g} s"
+    tail = ("; ending the job (start it again; a larger run.init_timeout_s helps when ranks "
+            "start slowly)")
+    if here is not None and node_size == size:
+        missing = sorted(set(range(size)) - set(here))
+        if missing:
+            return (f"rank(s) {rank_ranges(missing)} did not reach MPI_Init within {bound}, "
+                    f"while rank(s) {rank_ranges(here)} waited there for them (hung or failed "
+                    "before it: their own output may say why)" + tail)
+        return (f"MPI_Init did not finish within {bound} although every rank "
+                f"({rank_ranges(here)}) reached it: the launcher's PMI exchange broke "
+                '(slurm/README.md "MPI_Init under srun")' + tail)
+    others = rank_ranges([r for r in range(size) if r != rank]) or "none"
+    where = ""
+    if here is not None:
+        count = f" of {node_size}" if node_size else ""
+        where = f"; on this node rank(s) {rank_ranges(here)} arrived{count}"
+    return (f"rank {rank} waited {bound} in MPI_Init for the other ranks ({others}){where}: "
+            "one of them did not reach MPI_Init (hung or failed before it: its own output may "
+            "say why) or the launcher's PMI exchange broke" + tail)
+
+
+def launched_node_size(environ=os.environ) -> int | None:
+    """Ranks the launcher started on this node, from its environment (None: not known)."""
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if environ.get(var, "").isdigit():
+            return int(environ[var])
+    tasks = environ.get("SLURM_STEP_NUM_TASKS", "")
+    if environ.get("SLURM_STEP_NUM_NODES") == "1" and tasks.isdigit():
+        return int(tasks)
+    return None
+
+
+def start(timeout_s: float, rank: int, size: int, agent: int | None) -> subprocess.Popen:
+    """Start the watchdog of this process (it waits for its standard input to close: close it
+    when MPI_Init returned)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpifl.runtime.init_watch", str(os.getpid()), f"{timeout_s:g}",
+         str(rank), str(size), "" if agent is None else str(agent)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+
+
+def _watch(pid: int, timeout_s: float, rank: int, size: int, agent: int | None) -> None:
+    """The watchdog: end process ``pid`` if its MPI_Init takes more than ``timeout_s``."""
+    if select.select([sys.stdin], [], [], timeout_s)[0]:
+        return  # MPI_Init returned (stdin closed), or the rank died
+    report = mark_arrival(agent, -1) if agent is not None else None  # -1: the node's report
+    if agent is None or report is not None:  # the first watchdog of the node to fire speaks
+        here = arrived(agent, size) if agent is not None else None
+        line = message(rank, size, timeout_s, here, launched_node_size())
+        sys.stderr.write(f"mpifl: error: {line}\n")
+        sys.stderr.flush()
+    os.kill(pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    _pid, _timeout, _rank, _size, _agent = sys.argv[1:6]
+    _watch(int(_pid), float(_timeout), int(_rank), int(_size), int(_agent) if _agent else None)

@@ -1,0 +1,149 @@
+"""Set-up bounds that name the rank that did not arrive (mpifl.runtime.init_watch before
+MPI_Init, mpifl.runtime.agreement after it), with defaults of minutes and a lower bound every
+launch can meet. Real mpiexec ranks: one that never reaches MPI_Init (an MPMD launch whose
+rank 1 only sleeps), rank 0 stopped during set-up; real abstract sockets for the arrival marks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mpifl.core.errors import ConfigError
+from mpifl.experiment.config import MIN_SETUP_BOUND_S, RunConfig, load_config
+from mpifl.runtime.init_watch import arrived, mark_arrival, message
+from tests.helpers import kill_tree, mpiexec, small_fmnist_job, write_fmnist_job
+from tests.test_setup_agreement import finish, job, launch, mpifl_lines  # noqa: F401 (fixture)
+
+# --------------------------------------------------------------------------- the bounds
+
+
+def test_defaults_are_minutes():
+    run = RunConfig()
+    assert (run.init_timeout_s, run.setup_timeout_s) == (120.0, 180.0)
+    assert MIN_SETUP_BOUND_S == 5.0
+
+
+@pytest.mark.parametrize("key", ["init_timeout_s", "setup_timeout_s"])
+@pytest.mark.parametrize("value", ["0.001", "4.9", "1"])
+def test_a_bound_no_launch_can_meet_is_refused(key, value):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"run.{key}={value}"])
+    assert str(info.value) == (
+        f"run.{key}: must be 0 (no bound) or at least 5 s: ranks take seconds to start, so a "
+        f"shorter bound ends every launch (got {value})")
+
+
+@pytest.mark.parametrize("value", ["0", "5", "5.5", "3600"])
+def test_zero_and_reachable_bounds_are_accepted(value):
+    cfg = load_config(None, [f"run.init_timeout_s={value}", f"run.setup_timeout_s={value}"])
+    assert cfg.run.init_timeout_s == cfg.run.setup_timeout_s == float(value)
+
+
+# --------------------------------------------------------------------------- arrival marks
+
+
+def test_arrival_marks_are_seen_while_held():
+    agent = os.getpid()  # any number both sides agree on; the launcher's agent in a real job
+    marks = [mark_arrival(agent, r) for r in (0, 2)]
+    try:
+        assert arrived(agent, 4) == [0, 2]
+        assert arrived(agent + 1, 4) == []  # another job's agent
+    finally:
+        for m in marks:
+            m.close()
+    assert arrived(agent, 4) == []
+    assert mark_arrival(None, 0) is None
+
+
+def test_the_watchdog_lines():
+    # every rank on this node: the missing ones are known
+    assert message(0, 3, 5, [0, 2], 3).startswith(
+        "rank(s) 1 did not reach MPI_Init within run.init_timeout_s = 5 s, while rank(s) 0, 2 "
+        "waited there for them (hung or failed before it: their own output may say why); "
+        "ending the job")
+    assert message(0, 3, 5, [0, 1, 2], 3).startswith(
+        "MPI_Init did not finish within run.init_timeout_s = 5 s although every rank (0-2) "
+        "reached it: the launcher's PMI exchange broke")
+    # ranks on other nodes, or no marks: only what this node knows
+    assert message(1, 8, 120, [0, 1], 2).startswith(
+        "rank 1 waited run.init_timeout_s = 120 s in MPI_Init for the other ranks (0, 2-7); on "
+        "this node rank(s) 0-1 arrived of 2: one of them did not reach MPI_Init")
+    assert message(2, 3, 5, None, 3).startswith(
+        "rank 2 waited run.init_timeout_s = 5 s in MPI_Init for the other ranks (0-1): one of them")
+
+
+# --------------------------------------------------------------------------- real launches
+
+
+@pytest.fixture(scope="module")
+def fmnist_job(tmp_path_factory) -> Path:
+    return write_fmnist_job(tmp_path_factory, "bounds.toml", small_fmnist_job(
+        "bounds", seed=1, rounds=1, eval_every=1, checkpoint_every=0,
+        partition='partition = "shards"', algorithm="fedavg"))
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_an_unreachable_init_bound_is_refused_on_every_rank(fmnist_job, tmp_path):
+    job = tmp_path / "short.toml"
+    job.write_text(fmnist_job.read_text().replace("[run]", "[run]\ninit_timeout_s = 0.001"))
+    out = tmp_path / "run.h5"
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(job),
+                           "--out", str(out), "--no-progress"], capture_output=True, text=True,
+                          env=env(), timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert mpifl_lines(proc.stderr) == [
+        "mpifl: error: run.init_timeout_s: must be 0 (no bound) or at least 5 s: ranks take "
+        "seconds to start, so a shorter bound ends every launch (got 0.001)"]
+    assert not out.exists()
+
+
+def test_a_rank_that_never_reaches_mpi_init_is_named(fmnist_job, tmp_path):
+    """MPMD: rank 1 sleeps and never calls MPI_Init; ranks 0 and 2 wait in it. After
+    run.init_timeout_s = 5 s one line names rank 1 (not the ranks that waited) and the job
+    ends; nothing is written."""
+    out = tmp_path / "run.h5"
+    mpifl = [sys.executable, "-m", "mpifl", "run", str(fmnist_job), "--out", str(out),
+             "--no-progress", "--set", "run.init_timeout_s=5"]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen([mpiexec(), "-n", "1", *mpifl, ":", "-n", "1", *sleeper, ":", "-n",
+                             "1", *mpifl], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env())
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        kill_tree(proc.pid)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 5 + 40, (took, err[-3000:])
+    assert mpifl_lines(err) == [
+        "mpifl: error: rank(s) 1 did not reach MPI_Init within run.init_timeout_s = 5 s, while "
+        "rank(s) 0, 2 waited there for them (hung or failed before it: their own output may say "
+        "why); ending the job (start it again; a larger run.init_timeout_s helps when ranks "
+        "start slowly)"], err[-3000:]
+    assert not out.exists() and not Path(f"{out}.ckpt").exists()
+
+
+def test_rank_0_stopped_during_set_up_is_named_by_rank_1(job, tmp_path):  # noqa: F811
+    """After MPI_Init: rank 0 is SIGSTOPped while loading the data; rank 1 names it (rank 0
+    names missing workers: tests/test_setup_agreement.py) and the job ends with status 2."""
+    proc = launch(job, tmp_path / "run.h5", "data:stop:0")
+    try:
+        code, err, took = finish(proc, 120)
+    finally:
+        kill_tree(proc.pid)
+    assert code == 2, err[-3000:]
+    assert mpifl_lines(err) == [
+        "mpifl: error: rank 1: rank 0 did not finish set-up step 'data and model' within "
+        "run.setup_timeout_s = 6 s (failed hard, stopped or hung; its own output may say why); "
+        "ending every rank of the job"], err[-3000:]
+    assert took < 6 + 5 + 40
+    assert not (tmp_path / "run.h5").exists()
