@@ -90,7 +90,8 @@ def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path):
                lambda: any(folder_for(out).glob("round-*.h5")) and _rounds_written(out) >= 3,
                tmp_path)
     status = _report(out)
-    assert "interrupted at round" in status and "resumable from round 0" in status
+    # the default checkpoints by rounds (2% of 30: every round, held to 4% of the time)
+    assert "interrupted at round" in status and re.search(r"resumable from round \d+", status)
     run(3, "run", str(job), "--out", str(out), "--resume")
     got, ref = contents(out), contents(want)
     for key in (k for k in ref if k.startswith(("model/", "eval/"))):

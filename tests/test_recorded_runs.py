@@ -38,7 +38,9 @@ SMALL = ["run.rounds=2", "run.eval_every=1", "data.dataset=synthetic", "data.par
          "data.num_clients=12", "server.clients_per_round=4", "model.hidden=[16]"]
 EXTRA = {"afl": ["server.sampling=all"]}
 #: a figure of the machine, not of the computation
-VOLATILE = ("time_", "peak_rss")
+#: and the wire's size, not the computation: an evaluation's header and its workers' progress
+#: messages (stop at the next window, mpifl/runtime/protocol.py) came after the recording
+VOLATILE = ("time_", "peak_rss", "bytes_moved")
 #: the old code's runs, as digests (used without git history)
 RECORDING = ROOT / "tests" / "data" / f"recorded-{BEFORE}.json"
 RUNS = ["main", "sharded", "resumed"]
@@ -158,8 +160,9 @@ def test_runs_are_bit_identical_to_the_recording(recorded, run):
     before, folder = recorded
     after = _digests(folder)[run]
     assert "model/global" in after and any(k.startswith("eval/") for k in after)
-    assert sorted(before[run]) == sorted(after)
-    differ = [k for k in after if before[run][k] != after[k]]
+    want = {k: v for k, v in before[run].items() if not any(x in k for x in VOLATILE)}
+    assert sorted(want) == sorted(after)
+    differ = [k for k in after if want[k] != after[k]]
     assert not differ, f"{run}: {differ}"
 
 

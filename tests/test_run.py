@@ -166,7 +166,7 @@ def test_report_on_a_foreign_or_damaged_file(tmp_path, capsys):
     damaged = tmp_path / "damaged.h5"
     damaged.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
     for path, msg in [(foreign, "not an mpifl results file"), (damaged, "cannot read as HDF5"),
-                      (tmp_path / "none.h5", "no such results file")]:
+                      (tmp_path / "none.h5", "no such file")]:
         assert main(["report", str(path)]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err

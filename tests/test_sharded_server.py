@@ -7,8 +7,13 @@ matrix): its arithmetic differs only in the order of float additions, so models 
 float32 rounding and every count (selected, aggregated, conflicts) is equal. The job takes one
 full-batch step a round: with many local minibatch steps a 1e-8 difference in the model grows
 through the clients' training (qFedAvg with B = 25, lr 0.05: 1.5e-8 after round 1, 2e-4 after
-round 12; with this job below 1e-7 after 20 rounds), and a loose tolerance would hide real
-errors.
+round 12; with this job below 1e-7 after 20 rounds on one machine, but 8.8e-6 in the model and
+6e-5 in the clients' test losses on an AMD EPYC one, for FedFV on 3 shards, the old code and
+today's alike: the difference starts at 4e-8 in round 3's training loss and grows about 3x a
+round). So floats are compared to 1e-4, far below what a wrong block or a lost update moves
+(parameters of 1e-2 to 1e-1), accuracies and their summaries to 5e-3 (a model 1e-5 away flips
+a test sample near the boundary: 1/1,166 of a client's accuracy), and every count and choice
+(``EXACT``) must be equal.
 """
 
 from __future__ import annotations
@@ -57,12 +62,16 @@ EXACT = ("rounds/selected", "rounds/aggregated", "rounds/num_clients", "rounds/r
          "rounds/conflicts_model", "rounds/conflicts_layer")
 
 
+#: accuracies (and their summaries) agree to a few of a client's test samples
+ACCURACY_TOL = 5e-3
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     return write_fmnist_job(tmp_path_factory, "sharded.toml", JOB)
 
 
-def assert_same_run(got: dict, want: dict, tol: float = 1e-6, same_ranks: bool = True) -> None:
+def assert_same_run(got: dict, want: dict, tol: float = 1e-4, same_ranks: bool = True) -> None:
     """Equal runs (to ``tol`` for floats); bytes moved only with the same number of ranks
     (each worker gets the broadcast)."""
     assert got.keys() == want.keys()
@@ -72,7 +81,8 @@ def assert_same_run(got: dict, want: dict, tol: float = 1e-6, same_ranks: bool =
         if key in EXACT or want[key].dtype.kind not in "fc":
             np.testing.assert_array_equal(got[key], want[key], err_msg=key)
         else:
-            np.testing.assert_allclose(got[key], want[key], rtol=tol, atol=tol, err_msg=key)
+            close = ACCURACY_TOL if key.startswith("eval/") and "loss" not in key else tol
+            np.testing.assert_allclose(got[key], want[key], rtol=tol, atol=close, err_msg=key)
 
 
 def one_rank_server(job: Path, algorithm: str, ranks: int = 3) -> dict:

@@ -113,7 +113,8 @@ def _in_named_root(name: str, layout: DatasetLayout, root: Path, setting: str) -
     if not root.is_dir():
         raise DataError(f"dataset '{name}' not found: {setting} is {root}, which does not "
                         f"exist (so neither does {folder}); set {setting} to the folder that "
-                        f"holds {layout.subdir}/, {unset}")
+                        f"holds {layout.subdir}/ (`mpifl data fetch {name} --root {root}` puts "
+                        f"the files there), {unset}")
     missing = _missing(folder, layout)
     if missing:
         where = f"{folder} lacks {', '.join(missing)}" if folder.is_dir() else \

@@ -23,6 +23,7 @@ The records travel as small Python objects (set-up only: the rounds use flat buf
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -215,14 +216,15 @@ class SetUp:
         send = self.comm.Isend([flag, MPI.INT8_T], dest=0, tag=_ARRIVED_TAG)
         root = self.comm.Irecv([np.zeros(1, np.int8), MPI.INT8_T], source=0, tag=_ROOT_ARRIVED_TAG)
         # rank 0 ends the job first when a worker is missing; among the workers rank 1 speaks
-        # first when rank 0 is, the others after a longer grace (one line, not one a rank)
-        grace = WORKER_GRACE_S * (1 if self.rank == 1 else 2)
+        # first when rank 0 is, the others after a longer grace (one line, not one a rank: the
+        # ranks reach a step seconds apart on a loaded node, and rank 1's abort takes its time)
+        grace = WORKER_GRACE_S * (1 if self.rank == 1 else 4)
         pending = _wait([send, root, self.comm.Ibarrier()], self.timeout_s + grace)
         if 1 in pending:
             self._abort(f"rank 0 did not finish set-up step '{name}' within run.setup_timeout_s "
                         f"= {self.timeout_s:g} s (failed hard, stopped or hung; its own output "
                         "may say why)")
-        if pending:
+        elif pending:
             self._abort(f"rank 0 finished set-up step '{name}' but another rank did not within "
                         f"run.setup_timeout_s = {self.timeout_s:g} s, and rank 0 did not end the "
                         "job (their own output may say why)")
@@ -232,6 +234,7 @@ class SetUp:
               file=sys.stderr, flush=True)
         time.sleep(ABORT_GRACE_S)  # let mpiexec forward the line before the job is torn down
         self.comm.Abort(EXIT_BAD_INPUT)
+        os._exit(EXIT_BAD_INPUT)  # MPICH's MPI_Abort can return while a peer is stopped
 
 
 def _wait(requests, timeout_s: float) -> list[int]:
