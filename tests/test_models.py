@@ -100,18 +100,33 @@ def test_logreg_bias_is_zero():
     assert torch.count_nonzero(model.fc.weight) > 0
 
 
+#: A small instance of every built-in model: input shape and factory keywords.
+SMALL = {"logreg": ((10,), {}), "mlp": ((10,), {"hidden": (7,)}),
+         "cnn_mnist": ((3, 16, 16), {}), "cnn_cifar": ((3, 16, 16), {}),
+         "cnn_femnist": ((1, 28, 28), {"hidden": 16}),
+         "char_lstm": ((6,), {"vocab_size": 9, "hidden_size": 8}),
+         "transformer_lm": ((6,), {"vocab_size": 5, "embedding_size": 8, "hidden_size": 8,
+                                   "num_heads": 2, "feedforward_size": 16, "num_layers": 1,
+                                   "dropout": 0.0, "sequence_targets": True}),
+         "resnet18_gn": ((3, 16, 16), {"width": 8})}
+
+
+def test_every_built_in_model_has_a_small_instance():
+    assert set(SMALL) == set(MODELS)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_seeded_init_is_deterministic_and_leaves_global_rng_alone(name):
-    shape = (3, 16, 16) if name.startswith("cnn") else (10,)
+    shape, params = SMALL[name]
     torch.manual_seed(1234)
     state = torch.get_rng_state()
     expected_next = torch.rand(3)
     torch.set_rng_state(state)
-    a = parameters_to_vector(build_model(name, shape, 5, hidden=(7,), seed=11).parameters())
+    a = parameters_to_vector(build_model(name, shape, 5, seed=11, **params).parameters())
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(torch.rand(3), expected_next)
-    b = parameters_to_vector(build_model(name, shape, 5, hidden=(7,), seed=11).parameters())
-    c = parameters_to_vector(build_model(name, shape, 5, hidden=(7,), seed=12).parameters())
+    b = parameters_to_vector(build_model(name, shape, 5, seed=11, **params).parameters())
+    c = parameters_to_vector(build_model(name, shape, 5, seed=12, **params).parameters())
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 

@@ -165,8 +165,8 @@ def evaluate_each(trainer, W: Tensor, sample_idx: Sequence[np.ndarray]
             ce = loss_fn.per_sample(flat_out, flat_y)
             keep_t = torch.as_tensor(keep, device=device)
             ce_c += torch.where(keep_t, ce.view(c, -1).double(), 0.0).sum(1)
-            hit = (loss_fn.labels(flat_out) == flat_y).view(c, -1)
-            hit_c += (hit & keep_t).double().sum(1)
+            hit = loss_fn.hits(flat_out, flat_y).view(c, -1)
+            hit_c += torch.where(keep_t, hit, 0.0).sum(1)
         ce_sum[chunk] = ce_c.cpu().numpy()
         hits[chunk] = hit_c.cpu().numpy()
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -189,8 +189,8 @@ def client_stats(trainer, w: Tensor, sample_idx: Sequence[np.ndarray],
                         device=device)
     for rows, seg, out, yb in trainer._forward_blocks(w, sample_idx):
         ce_sum.index_add_(0, seg, loss_fn.per_sample(out, yb).double())
+        hits.index_add_(0, seg, loss_fn.hits(out, yb))
         pred = loss_fn.labels(out)
-        hits.index_add_(0, seg, (pred == yb).double())
         if groups is not None:  # cell = (client, group, true label)
             sens = groups[0][torch.as_tensor(rows, device=groups[0].device)]
             cell = (seg * groups[1] + sens.to(device)) * 2 + yb

@@ -68,6 +68,8 @@ class LoopTrainer(VmapTrainer):
     Args:
         local_index: (s,) int64 positions in w that stay with each client (local BatchNorm,
             :func:`mpifl.models.zoo.batchnorm_coordinates`); None or empty: none.
+        random: the model draws random numbers in train mode (:class:`mpifl.models.zoo.
+            ModelTraits`); None: measured here on the store's first samples.
 
     Raises:
         ValueError: a layout that is not the model's state (parameters and float buffers),
@@ -77,7 +79,7 @@ class LoopTrainer(VmapTrainer):
     _plain_steps = False  # never the batched-matmul path: the steps run on the module itself
 
     def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor, *,
-                 local_index: np.ndarray | None = None, **kw):
+                 local_index: np.ndarray | None = None, random: bool | None = None, **kw):
         super().__init__(model, layout, x, y, **kw)
         self.local_index = np.zeros(0, np.int64) if local_index is None else np.asarray(
             local_index, dtype=np.int64).reshape(-1)
@@ -87,7 +89,10 @@ class LoopTrainer(VmapTrainer):
         self.model = copy.deepcopy(model).eval()  # evaluation: running statistics, no dropout
         self._state = [t for _, t in model_state(self.net)]  # the tensors w is loaded into
         self._params = list(self.net.parameters())
-        self.random = model_traits(model, tuple(x.shape[1:])).random
+        if random is None:  # not told by the run (ModelTraits.random): measured on the store
+            sample = x[:4].to(self.device) if len(x) >= 2 else None
+            random = model_traits(model, tuple(x.shape[1:]), sample).random
+        self.random = bool(random)
 
     @classmethod
     def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:

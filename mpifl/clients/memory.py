@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_leaves
 from torch import nn
 
 # Rough float32 copies of d per client alive during one step: parameters, gradient, momentum,
@@ -100,13 +101,15 @@ def eval_chunks(sizes: np.ndarray, per_client: int, per_row: int, budget: int) -
     return [np.array(c, dtype=np.int64) for c in chunks]
 
 
-def activation_numel(model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """Number of activation values one sample produces in a forward pass (all leaf outputs)."""
+def activation_numel(model: nn.Module, input_shape: tuple[int, ...],
+                     dtype: torch.dtype = torch.float32) -> int:
+    """Number of activation values one sample produces in a forward pass (all leaf outputs),
+    measured on a zero sample of ``dtype`` (int64 token ids: all padding, a valid input)."""
     total = 0
 
     def count(_module, _inputs, output):
-        nonlocal total
-        total += output.numel()
+        nonlocal total  # an LSTM returns (outputs, (h, c)): count every tensor
+        total += sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
     hooks = [m.register_forward_hook(count) for m in leaves]
@@ -115,7 +118,7 @@ def activation_numel(model: nn.Module, input_shape: tuple[int, ...]) -> int:
         device = next(model.parameters()).device
         model.eval()  # a batch of one: BatchNorm would refuse it in train mode
         with torch.no_grad():
-            model(torch.zeros(1, *input_shape, device=device))
+            model(torch.zeros(1, *input_shape, dtype=dtype, device=device))
     finally:
         model.train(was_training)
         for h in hooks:

@@ -111,13 +111,15 @@ class MetaStep:
         self.loss_fn = get_loss("cross_entropy") if loss is None else loss
         self.device = torch.device(device)
         self.indices = meta_indices(fed, seed=seed, size=self.meta_size, sampling=meta_sampling)
-        self.x = torch.as_tensor(fed.x[self.indices], dtype=torch.float32, device=self.device)
+        x = fed.x[self.indices]
+        self.x = torch.as_tensor(x, dtype=torch.float32 if x.dtype.kind == "f" else torch.int64,
+                                 device=self.device)
         self.y = torch.as_tensor(fed.y[self.indices], device=self.device)
         self._grad = grad(self.loss)
 
     def loss(self, w: Tensor) -> Tensor:
         """Mean loss of w ``(d,)`` on the meta set (a 0-d tensor)."""
-        out = functional_call(self.model, self.layout.unflatten(w), (self.x.to(w.dtype),))
+        out = functional_call(self.model, self.layout.unflatten(w), (self.x.to(w.dtype) if self.x.is_floating_point() else self.x,))
         return self.loss_fn.per_sample(out, self.y).mean()
 
     def gradient(self, w: Tensor) -> Tensor:

@@ -5,7 +5,9 @@
   buffers or random layers.
 - ``loop``: :class:`~mpifl.clients.loop.LoopTrainer`, one client at a time on a plain module:
   any model (BatchNorm, Dropout, ``F.dropout``), plain local SGD and FedProx only.
-- ``auto``: the loop when the model needs it (buffers or randomness); otherwise a rule measured
+- ``auto``: the loop when the model needs it (buffers or randomness) or when vmap has no
+  batching rule for one of its operators (``nn.LSTM`` on a CPU: vmap would loop over the
+  clients inside that operator anyway); otherwise a rule measured
   on this project's 2-core CPU machine (docs/BENCHMARKS.md, "Trainer paths"): convolutional
   models train faster in the loop on a CPU (W2, the FedAvg CNN on Fashion-MNIST: loop 2.45 s
   against vmap 4.1 s a round), everything else faster vectorised (the MLP family by several
@@ -55,6 +57,9 @@ def select_trainer(requested: str, traits: ModelTraits, rule_kind: str, device_t
         return requested, "pinned by client.trainer"
     if rule_kind != "sgd":
         return "vmap", f"{rule} has its own vectorised trainer"
+    if traits.unbatched:
+        return "loop", (f"vmap has no batching rule for {', '.join(traits.unbatched)} and would "
+                        f"run it one client at a time anyway")
     if traits.convolutional and device_type == "cpu":
         return "loop", "convolutions on a CPU train faster one client at a time"
     return "vmap", "vectorised clients are faster for this model and device"

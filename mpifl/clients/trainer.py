@@ -53,10 +53,11 @@ class VmapTrainer:
         model: the architecture (its own parameters are never used nor changed; the computation
             runs ``functional_call`` with parameters taken from w). Parameters only, no buffers.
         layout: ``ParamLayout.from_module(model)``.
-        x: ``(N, *input_shape)`` float32, the whole sample store (any device; only the samples
-            of the clients being processed are moved to ``device``).
-        y: ``(N,)`` int64 labels, or ``(N,)`` / ``(N, T)`` float32 targets for a regression
-            ``loss``.
+        x: ``(N, *input_shape)`` float32 or ``(N, T)`` int64 token ids, the whole sample store
+            (any device; only the samples of the clients being processed are moved to
+            ``device``).
+        y: ``(N,)`` int64 labels, ``(N, T)`` int64 sequence targets, or ``(N,)`` / ``(N, T)``
+            float32 targets for a regression ``loss``.
         epochs: E >= 1 local epochs.
         batch_size: B >= 0 samples per minibatch; 0 means one full batch per epoch.
         momentum, weight_decay: as in ``torch.optim.SGD`` (dampening 0, no Nesterov); the
@@ -110,7 +111,7 @@ class VmapTrainer:
     ):
         self._check_model(model, layout)
         self.loss = get_loss("cross_entropy") if loss is None else loss
-        if x.shape[0] != y.shape[0] or (y.dim() != 1 and self.loss.classification):
+        if x.shape[0] != y.shape[0] or (self.loss.classification and y.dim() > 2):
             raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} do not match")
         if (epochs < 1 or batch_size < 0 or momentum < 0 or weight_decay < 0
                 or memory_budget_mb <= 0 or prox_mu < 0):
@@ -129,7 +130,7 @@ class VmapTrainer:
         self.memory_budget = int(memory_budget_mb * 2**20)
         self.device = torch.device(device)
         self._in_numel = math.prod(x.shape[1:])
-        self._act_numel = memory.activation_numel(model, tuple(x.shape[1:]))
+        self._act_numel = memory.activation_numel(model, tuple(x.shape[1:]), self._x_dtype(x))
         self._step_grad = vmap(grad(self._minibatch_loss))
         self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
         forward = (stacked_forward(model) if self._plain_steps
@@ -428,6 +429,7 @@ class VmapTrainer:
                 g, value = self._step_grad_value(params, *batch)
                 grads = list(g.values())
                 loss_out.add_(value.double() * loss_weight[:, t])
+            grads = _unaliased(grads)
             if mu:  # gradient of (mu/2)||w_k - w||^2 joins the loss gradient
                 torch._foreach_add_(grads, torch._foreach_sub(views, anchor), alpha=mu)
             masked = bool(steps_np.min() <= t)
@@ -462,13 +464,31 @@ class VmapTrainer:
     def _gather(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
         """Samples ``rows`` of the store, moved to the device (only these are moved)."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.x.device)
-        return (self.x[idx].to(self.device, torch.float32, non_blocking=True),
+        return (self.x[idx].to(self.device, self._x_dtype(self.x), non_blocking=True),
                 self.y[idx.to(self.y.device)].to(self.device, non_blocking=True))
+
+    @staticmethod
+    def _x_dtype(x: Tensor) -> torch.dtype:
+        """float32 features (whatever float the store holds), int64 token ids."""
+        return torch.float32 if x.is_floating_point() else torch.int64
 
     def _check_w(self, w: Tensor) -> Tensor:
         if w.shape != (self.layout.d,):
             raise ValueError(f"w must have shape ({self.layout.d},), got {tuple(w.shape)}")
         return w.detach().to(self.device, torch.float32)
+
+
+def _unaliased(grads: list[Tensor]) -> list[Tensor]:
+    """Each gradient in its own memory: vmap returns one tensor for parameters whose gradients
+    are equal (``nn.LSTM``'s ``bias_ih`` and ``bias_hh``), and the in-place weight decay,
+    proximal and momentum updates of a step would otherwise apply twice to it."""
+    seen: set[int] = set()
+    out = []
+    for g in grads:
+        ptr = g.untyped_storage().data_ptr()
+        out.append(g.clone() if ptr in seen else g)
+        seen.add(ptr)
+    return out
 
 
 def _check_model(model: nn.Module, layout: ParamLayout) -> None:

@@ -180,7 +180,7 @@ class UGATrainer(VmapTrainer):
     def _gather(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
         """As VmapTrainer's, except that a float64 store stays float64 (see ``_check_w``)."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.x.device)
-        dtype = torch.float64 if self.x.dtype == torch.float64 else torch.float32
+        dtype = torch.float64 if self.x.dtype == torch.float64 else self._x_dtype(self.x)
         return (self.x[idx].to(self.device, dtype, non_blocking=True),
                 self.y[idx.to(self.y.device)].to(self.device, non_blocking=True))
 

@@ -41,9 +41,10 @@ class FederatedData:
 
     Attributes:
         name: the data set's name (``data.dataset``).
-        x: (N, *input_shape) float32, every sample of the pool, normalised.
-        y: (N,) int64 labels in 0..num_classes-1, or (N,) / (N, T) float32 regression targets
-            (a plugin data set; ``[model] loss = "mse"``).
+        x: (N, *input_shape) float32, every sample of the pool, normalised; or (N, T) int64
+            token ids in 0..vocab_size-1 (:class:`mpifl.data.registry.DataPool`).
+        y: (N,) int64 labels in 0..num_classes-1, (N, T) int64 sequence targets, or (N,) /
+            (N, T) float32 regression targets (a plugin data set; ``[model] loss = "mse"``).
         num_classes: number of classes C (for regression targets: their number T, the model's
             output width).
         input_shape: (1, 28, 28) for (Fashion-)MNIST, (3, 32, 32) for CIFAR, (60,) synthetic,
@@ -54,6 +55,7 @@ class FederatedData:
         test_ptr, test_idx: the same for the local test splits.
         sensitive: (N,) int64 sensitive-group id per sample (tabular sets: 0 = female,
             1 = male), for group fairness metrics and constraints; None for data without one.
+        vocab_size: V for token inputs (the model's embedding rows), None for float features.
     """
 
     name: str
@@ -66,6 +68,7 @@ class FederatedData:
     test_ptr: np.ndarray
     test_idx: np.ndarray
     sensitive: np.ndarray | None = None
+    vocab_size: int | None = None
     #: every sample is held (a :class:`mpifl.data.lazy.LazyPopulation` draws them on demand)
     lazy: ClassVar[bool] = False
 
@@ -93,6 +96,11 @@ class FederatedData:
         return self.y.dtype
 
     @property
+    def target_shape(self) -> tuple[int, ...]:
+        """One sample's target shape: () for a label, (T,) for sequence or vector targets."""
+        return tuple(self.y.shape[1:])
+
+    @property
     def num_train(self) -> np.ndarray:
         """(K,) int64 local train sizes n_k."""
         return np.diff(self.train_ptr)
@@ -104,8 +112,8 @@ class FederatedData:
 
     def label_counts(self) -> np.ndarray:
         """(K, C) int64: each client's training samples per label; (K, 0) for regression
-        targets (float y)."""
-        if self.y.dtype.kind not in "iu":
+        targets (float y) and sequence targets ((N, T) y)."""
+        if self.y.dtype.kind not in "iu" or self.y.ndim != 1:  # regression / sequence targets
             return np.zeros((self.num_clients, 0), dtype=np.int64)
         rows = np.repeat(np.arange(self.num_clients), self.num_train)
         counts = np.zeros((self.num_clients, self.num_classes), dtype=np.int64)
@@ -283,7 +291,8 @@ def _federate(dataset: str, partition: str, pool: DataPool, split: Partitioned, 
     if pool.standardise is not None:
         x = standardise_numeric(x, pool.standardise, train_idx)
     return FederatedData(dataset, x, pool.y, pool.num_classes, tuple(x.shape[1:]), train_ptr,
-                         train_idx, test_ptr, test_idx, sensitive=pool.sensitive)
+                         train_idx, test_ptr, test_idx, sensitive=pool.sensitive,
+                         vocab_size=pool.vocab_size)
 
 
 def _check_sizes(parts: Sequence[np.ndarray], partition: str) -> None:

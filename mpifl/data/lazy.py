@@ -60,9 +60,9 @@ class Window:
 
     Attributes:
         ids: (m,) int64 population client ids, in the order asked (repeats allowed).
-        x: (n, *input_shape) float32, the clients' samples, client j's at rows
+        x: (n, *input_shape) float32 (or int64 token ids), the clients' samples, client j's at rows
             ``ptr[j]:ptr[j+1]`` in the order the data set draws them.
-        y: (n,) int64 labels in 0..num_classes-1.
+        y: (n,) int64 labels in 0..num_classes-1, or (n, T) int64 sequence targets.
         ptr: (m+1,) int64 offsets of each client's rows in x.
         train_ptr, train_idx: (m+1,) int64 CSR offsets and (sum of train sizes,) int64 row
             indices into x: client j's train samples, in the eager data's order.
@@ -135,6 +135,14 @@ class LazyPopulation:
         self.name, self.seed, self.cache_size = name, int(seed), int(cache_size)
         self.num_classes = int(source.num_classes)
         self.input_shape = tuple(int(d) for d in source.input_shape)
+        self.target_shape = tuple(int(d) for d in source.target_shape)
+        self.x_dtype = np.dtype(source.x_dtype)
+        self.vocab_size = None if source.vocab_size is None else int(source.vocab_size)
+        if self.x_dtype not in (np.float32, np.int64) or (
+                (self.x_dtype == np.int64) != (self.vocab_size is not None)):
+            raise DataError(f"data set '{name}': a ClientSource fills float32 features, or "
+                            f"int64 token ids with vocab_size set (got {self.x_dtype}, "
+                            f"vocab_size={self.vocab_size})")
         self.sizes = _checked_sizes(name, source.sizes)
         self.num_train, self.num_test = _split_sizes(self.sizes, tuple(fractions))
         self._fill = source.fill
@@ -166,8 +174,8 @@ class LazyPopulation:
         ids = self._ids(ids)
         built = [self._client(int(k)) for k in ids]
         ptr = _offsets([len(c.y) for c in built])
-        x = np.empty((int(ptr[-1]), *self.input_shape), dtype=np.float32)
-        y = np.empty(int(ptr[-1]), dtype=np.int64)
+        x = np.empty((int(ptr[-1]), *self.input_shape), dtype=self.x_dtype)
+        y = np.empty((int(ptr[-1]), *self.target_shape), dtype=np.int64)
         for c, lo, hi in zip(built, ptr[:-1], ptr[1:]):
             x[lo:hi], y[lo:hi] = c.x, c.y
         train_ptr, train_idx = _shifted([c.train for c in built], ptr)
@@ -178,7 +186,7 @@ class LazyPopulation:
         """(m, C) int64: clients ``ids``' training samples per label (rows in the order of ids,
         as the eager ``label_counts()[ids]``); None without ids, since the full (K, C) table
         would draw every client's samples."""
-        if ids is None:
+        if ids is None or self.target_shape:  # sequence targets: no per-sample label
             return None
         ids = self._ids(ids)
         out = np.zeros((len(ids), self.num_classes), dtype=np.int64)
@@ -216,12 +224,15 @@ class LazyPopulation:
         then test. The permutation depends only on n_k and the generator, so permuting the
         local rows 0..n_k-1 gives the eager indices minus the client's offset."""
         n = int(self.sizes[k])
-        x = np.empty((n, *self.input_shape), dtype=np.float32)
-        y = np.empty(n, dtype=np.int64)
+        x = np.empty((n, *self.input_shape), dtype=self.x_dtype)
+        y = np.empty((n, *self.target_shape), dtype=np.int64)
         self._fill(k, x, y)
         if n and (y.min() < 0 or y.max() >= self.num_classes):
             raise DataError(f"data set '{self.name}': client {k}'s labels are outside "
                             f"0..{self.num_classes - 1}")
+        if n and self.vocab_size is not None and (x.min() < 0 or x.max() >= self.vocab_size):
+            raise DataError(f"data set '{self.name}': client {k}'s token ids are outside "
+                            f"0..{self.vocab_size - 1}")
         perm = np.random.default_rng([self.seed, k, SPLIT_TAG]).permutation(
             np.arange(n, dtype=np.int64))
         n_train, n_test = int(self.num_train[k]), int(self.num_test[k])

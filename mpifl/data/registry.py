@@ -28,6 +28,7 @@ from (K = 10^6 clients without holding their samples). Synthetic declares one.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,8 +39,10 @@ from mpifl.core.errors import DataError
 from mpifl.core.params import Params
 from mpifl.core.registry import Registry
 
-__all__ = ["CLIENTS", "DATASET_LOADERS", "LABELS", "NoParams", "PARTITIONERS", "RAW", "SENSITIVE",
-           "ClientSource", "DataPool", "Partitioned", "call_partition", "lazy_factory",
+__all__ = ["CLIENTS", "DATASET_LOADERS", "LABELS", "NoParams", "PAD", "PARTITIONERS", "RAW",
+           "SENSITIVE",
+           "ClientSource", "DataPool", "DataShape", "Partitioned", "call_partition", "data_shape",
+           "lazy_factory",
            "params_class", "register_dataset", "register_partition"]
 
 #: What a data set's pool provides and a partition may need:
@@ -49,6 +52,9 @@ RAW = "raw"              # the raw uint8 images besides the normalised x (DataPo
 CLIENTS = "clients"      # the data set's own clients (DataPool.client_sizes); such a data set
 #                          goes only with a partition that needs them
 TAGS = (LABELS, SENSITIVE, RAW, CLIENTS)
+#: The padding token id of every token data set (inputs and sequence targets): id 0 of its
+#: vocabulary, skipped by the ``token_cross_entropy`` loss and its accuracy.
+PAD = 0
 
 
 class NoParams(Params):
@@ -60,12 +66,19 @@ class DataPool:
     """The examples of a data set before it is split over clients.
 
     Attributes:
-        x: (N, *input_shape) float32 features, already normalised as the model expects.
-        y: (N,) int64 labels in ``0 .. num_classes - 1``; or, for a regression task (``[model]
-            loss = "mse"``), (N,) or (N, T) float32 targets, split by a partition that does not
-            read labels (``iid`` or the user's own).
+        x: (N, *input_shape) float32 features, already normalised as the model expects; or
+            (N, T) int64 token ids in ``0 .. vocab_size - 1`` (text: characters or words, id
+            :data:`PAD` = 0 the padding), with ``vocab_size`` set.
+        y: (N,) int64 labels in ``0 .. num_classes - 1``; or (N, T) int64 sequence targets (the
+            next token at every position, :data:`PAD` where there is none: the
+            ``token_cross_entropy`` loss skips those positions), num_classes then the
+            vocabulary the model predicts over; or, for a regression task (``[model] loss =
+            "mse"``), (N,) or (N, T) float32 targets, split by a partition that does not read
+            labels (``iid`` or the user's own).
         num_classes: C >= 2 classes; for float targets, their number T >= 1 (the model's output
             width).
+        vocab_size: V >= 2 for token inputs (the model's embedding rows; a factory whose
+            signature names ``vocab_size`` gets it), None for float features.
         sensitive: optional (N,) int64 sensitive-group ids (for demographic parity and the other
             group-fairness metrics, mFairFL, the ``group_skew`` partition); None without one.
         raw: optional (N, *input_shape) uint8, the images before normalisation, for a partition
@@ -85,10 +98,12 @@ class DataPool:
     raw: np.ndarray | None = None
     client_sizes: np.ndarray | None = None
     standardise: np.ndarray | None = None
+    vocab_size: int | None = None
 
     def provides(self) -> frozenset[str]:
         """The tags (:data:`TAGS`) this pool offers a partition."""
-        has = {LABELS: self.y.dtype.kind in "iu", SENSITIVE: self.sensitive is not None,
+        labels = self.y.dtype.kind in "iu" and self.y.ndim == 1  # not sequence targets
+        has = {LABELS: labels, SENSITIVE: self.sensitive is not None,
                RAW: self.raw is not None, CLIENTS: self.client_sizes is not None}
         return frozenset(tag for tag, yes in has.items() if yes)
 
@@ -99,9 +114,7 @@ class DataPool:
         Raises:
             DataError: one line naming the data set and what is wrong.
         """
-        x, y = np.asarray(self.x), np.asarray(self.y)
-        if x.dtype != np.float32 or x.ndim < 2:
-            raise DataError(f"data set '{name}': x must be (N, ...) float32, got {x.shape} {x.dtype}")
+        x, y = self._inputs(name), np.asarray(self.y)
         if y.dtype.kind == "f":  # regression targets
             width = 1 if y.ndim == 1 else (y.shape[1] if y.ndim == 2 else 0)
             if y.dtype != np.float32 or len(y) != len(x) or width != int(self.num_classes):
@@ -111,16 +124,36 @@ class DataPool:
             if not np.isfinite(y).all():
                 raise DataError(f"data set '{name}': the targets have NaN or infinite values")
         else:
-            if y.shape != (len(x),) or y.dtype.kind not in "iu":
-                raise DataError(f"data set '{name}': y must be ({len(x)},) integers, got "
-                                f"{y.shape} {y.dtype}")
-            if int(self.num_classes) < 2 or (len(y) and (y.min() < 0
+            if y.dtype.kind not in "iu" or len(y) != len(x) or y.ndim not in (1, 2):
+                raise DataError(f"data set '{name}': y must be ({len(x)},) integer labels or "
+                                f"({len(x)}, T) integer sequence targets, got {y.shape} {y.dtype}")
+            if int(self.num_classes) < 2 or (y.size and (y.min() < 0
                                                          or y.max() >= self.num_classes)):
                 raise DataError(f"data set '{name}': labels must lie in 0..num_classes-1 with "
                                 f"num_classes >= 2 (num_classes={self.num_classes})")
             y = y.astype(np.int64)
-        return replace(self, x=x, y=y, num_classes=int(self.num_classes),
+        vocab = None if self.vocab_size is None else int(self.vocab_size)
+        return replace(self, x=x, y=y, num_classes=int(self.num_classes), vocab_size=vocab,
                        sensitive=self._sensitive(name, y), **self._extras(name, x))
+
+    def _inputs(self, name: str) -> np.ndarray:
+        """x checked: (N, ...) float32 features, or (N, T) int64 token ids below vocab_size."""
+        x = np.asarray(self.x)
+        if x.dtype.kind in "iu":
+            v = self.vocab_size
+            if x.ndim != 2 or v is None or int(v) < 2:
+                raise DataError(f"data set '{name}': token inputs must be (N, T) integers with "
+                                f"vocab_size >= 2, got {x.shape} {x.dtype}, vocab_size={v}")
+            if x.size and (x.min() < 0 or x.max() >= int(v)):
+                raise DataError(f"data set '{name}': token ids must lie in 0..vocab_size-1 "
+                                f"(vocab_size={v}, found {x.min()}..{x.max()})")
+            return x.astype(np.int64, copy=False)
+        if x.dtype != np.float32 or x.ndim < 2:
+            raise DataError(f"data set '{name}': x must be (N, ...) float32 features or (N, T) "
+                            f"int64 token ids, got {x.shape} {x.dtype}")
+        if self.vocab_size is not None:
+            raise DataError(f"data set '{name}': vocab_size is for token inputs, x is float32")
+        return x
 
     def _sensitive(self, name: str, y: np.ndarray) -> np.ndarray | None:
         s = self.sensitive
@@ -154,6 +187,42 @@ class DataPool:
 
 
 @dataclass(frozen=True)
+class DataShape:
+    """What a data set holds, declared once at registration (``register_dataset(shape=)``) so
+    that the memory budget (:mod:`mpifl.experiment.budget`) sizes a run before anything loads.
+
+    Attributes:
+        input_shape: one sample's input, e.g. (1, 28, 28), or (T,) token ids.
+        num_classes: C (labels), or the vocabulary predicted over (sequence targets).
+        samples: N of a fixed pool (e.g. the files' examples), or None when the set is sized
+            by its clients: then ``samples_per_client`` x K.
+        samples_per_client: E[n_k], the mean client size of a set drawn per client.
+        vocab_size: V for token inputs (int64 ids), None for float32 features.
+        target_shape: () one label a sample, (T,) sequence targets.
+        copies: float32 copies of the inputs the loader holds at its peak (e.g. 1.25 for a
+            float32 pool converted from uint8 images).
+    """
+
+    input_shape: tuple[int, ...]
+    num_classes: int
+    samples: int | None = None
+    samples_per_client: float | None = None
+    vocab_size: int | None = None
+    target_shape: tuple[int, ...] = ()
+    copies: float = 1.0
+
+    def num_samples(self, num_clients: int) -> float:
+        """N for K clients."""
+        return float(self.samples if self.samples is not None
+                     else num_clients * (self.samples_per_client or 0.0))
+
+    def sample_bytes(self) -> float:
+        """Bytes a sample holds: its inputs (int64 ids or float32 features) and targets."""
+        x = math.prod(self.input_shape) * (8.0 if self.vocab_size else 4.0 * self.copies)
+        return x + 8.0 * math.prod(self.target_shape)
+
+
+@dataclass(frozen=True)
 class ClientSource:
     """A data set's clients, each drawn on demand: what a lazy data set's ``lazy=`` factory
     returns (``(*, seed, data_root, num_clients, **params) -> ClientSource``, called like its
@@ -164,14 +233,20 @@ class ClientSource:
         sizes: (K,) int64 samples per client n_k (>= 0).
         num_classes: C >= 2 (labels are int64 in 0..C-1).
         input_shape: one sample's shape, e.g. (60,).
-        fill: ``fill(k, x, y)`` writes client k's samples into x (n_k, *input_shape) float32
-            and y (n_k,) int64 (views of a larger buffer allowed).
+        fill: ``fill(k, x, y)`` writes client k's samples into x (n_k, *input_shape) of
+            ``x_dtype`` and y (n_k, *target_shape) int64 (views of a larger buffer allowed).
+        x_dtype: float32 features, or int64 token ids (then ``vocab_size`` is set).
+        target_shape: () for one label a sample, (T,) for sequence targets.
+        vocab_size: V for token inputs, else None.
     """
 
     sizes: np.ndarray
     num_classes: int
     input_shape: tuple[int, ...]
     fill: Callable[[int, np.ndarray, np.ndarray], None]
+    x_dtype: type = np.float32
+    target_shape: tuple[int, ...] = ()
+    vocab_size: int | None = None
 
 
 @dataclass
@@ -214,7 +289,8 @@ def _tags(tags: Iterable[str], what: str) -> frozenset[str]:
 
 def register_dataset(name: str, *, params: type[Params] | None = None,
                      provides: Iterable[str] | None = None,
-                     lazy: Callable[..., ClientSource] | None = None):
+                     lazy: Callable[..., ClientSource] | None = None,
+                     shape: DataShape | None = None):
     """Decorator: register a data set loader as ``data.dataset = "<name>"``.
 
     Args:
@@ -225,6 +301,8 @@ def register_dataset(name: str, *, params: type[Params] | None = None,
         lazy: the factory of its :class:`ClientSource` (same keywords as the loader, with
             ``num_clients``) if its clients can be drawn one at a time; such a data set must
             provide :data:`CLIENTS` (its lazy population is its own clients' split).
+        shape: its sizes (:class:`DataShape`), read by the memory budget before loading;
+            None: unknown until loaded (the budget counts its data as 0).
 
     Raises:
         ValueError: the name is taken by another loader, empty, or contains ':'; unknown tags.
@@ -242,6 +320,8 @@ def register_dataset(name: str, *, params: type[Params] | None = None,
             fn.provides = declared
         if lazy is not None:
             fn.lazy = lazy
+        if shape is not None:
+            fn.shape = shape
         return DATASET_LOADERS.register(name)(fn)
 
     return deco
@@ -275,6 +355,11 @@ def register_partition(name: str, *, params: type[Params] | None = None,
 def params_class(entry: object) -> type[Params] | None:
     """The ``Params`` an entry declares, or None."""
     return getattr(entry, "Params", None)
+
+
+def data_shape(entry: object) -> DataShape | None:
+    """The :class:`DataShape` a data set declares (``shape=``), or None."""
+    return getattr(entry, "shape", None)
 
 
 def lazy_factory(entry: object) -> Callable[..., ClientSource] | None:

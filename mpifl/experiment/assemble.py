@@ -30,7 +30,7 @@ from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
                           model_traits)
 from mpifl.models.losses import check_loss
-from mpifl.models.zoo import batchnorm_coordinates
+from mpifl.models.zoo import batchnorm_coordinates, model_params
 from mpifl.runtime.backends import num_groups
 from mpifl.runtime.client_state import LocalCoordinates
 from mpifl.runtime.comm import local_rank
@@ -83,11 +83,14 @@ def build_parts(plan: Plan) -> Parts:
     m = plan.model
     loss = get_loss(m.loss)
     _check_task(plan, fed, loss)
-    check_loss(loss, fed.num_classes, None if fed.lazy else fed.y[:8])  # it trains the model
-    model = build_model(m.name, fed.input_shape, loss.width(fed.num_classes), hidden=m.hidden,
-                        output=m.output, seed=seed, **m.params)
+    x, y = real_batch(fed)
+    check_loss(loss, fed.num_classes, y)  # it trains the model
+    sequence = y.ndim == 2 and y.dtype.kind in "iu"
+    model = build_model(m.name, fed.input_shape, loss.width(fed.num_classes),
+                        output=m.output, seed=seed, vocab_size=fed.vocab_size, sample=x,
+                        sequence_targets=sequence, **model_params(m.name, m.hidden, m.params))
     with blame([("model", m.name, MODEL_FACTORIES.get(m.name))], "check"):
-        traits = model_traits(model, fed.input_shape)
+        traits = model_traits(model, fed.input_shape, x)
     if traits.buffers and (plan.meta is not None or plan.personal):
         raise ConfigError(f"model: '{m.name}' has buffers ({', '.join(traits.buffers)}), "
                           f"which FedMeta's meta step and personal models cannot carry")
@@ -128,6 +131,7 @@ def _trainer_class(plan: Plan, parts: Parts, loop: bool) -> tuple[type, dict]:
     cls, options = plan.trainer.cls, dict(plan.trainer.options)
     if loop:
         cls = LoopTrainer
+        options["random"] = parts.traits.random
         if len(parts.local_index):
             options["local_index"] = parts.local_index
     return cls, options
@@ -153,13 +157,27 @@ def make_trainer(plan: Plan, parts: Parts, device: torch.device):
     return NaNClients(trainer, list(nan)) if nan else trainer
 
 
+def real_batch(fed, n: int = 8) -> tuple[torch.Tensor, np.ndarray]:
+    """Up to n of the data's own samples, ``(x (b, *input_shape), y (b, ...))`` with b >= 2
+    (every client has 2): what the model and loss are checked on, never zeros or random
+    floats (token ids, a language model's inputs, are neither). A lazy population draws
+    client 0 for them."""
+    if fed.lazy:
+        window = fed.clients([0])
+        x, y = window.x[:n], window.y[:n]
+    else:
+        x, y = fed.x[:n], fed.y[:n]
+    return torch.from_numpy(np.ascontiguousarray(x)), y
+
+
 def sample_store(fed, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's (x, y) on ``device``: the whole pool, or for a lazy population an empty
     store of its shape, each request's window staged in it
     (:func:`mpifl.runtime.backends.client_rows`)."""
     if fed.lazy:
-        return (torch.empty((0, *fed.input_shape), dtype=torch.float32, device=device),
-                torch.from_numpy(np.empty(0, dtype=fed.label_dtype)).to(device))
+        return (torch.from_numpy(np.empty((0, *fed.input_shape), dtype=fed.x_dtype)).to(device),
+                torch.from_numpy(np.empty((0, *fed.target_shape),
+                                          dtype=fed.label_dtype)).to(device))
     return torch.from_numpy(fed.x).to(device), torch.from_numpy(fed.y).to(device)
 
 

@@ -1,4 +1,4 @@
-"""What a run will need, estimated from its config alone, before anything is built (issue 28).
+"""What a run will need, estimated from its config alone, before anything is built.
 
 :func:`check_budget` runs first in :func:`mpifl.experiment.plan.make_plan`, on every rank:
 no data is loaded or drawn and no model is allocated (the built-in models are built on torch's
@@ -14,8 +14,10 @@ the whole data set and the model, rank 0 also the server's matrices):
   per-client arrays while they are built). Synthetic: N = K x E[n_k] (:func:`mpifl.data.
   synthetic.expected_samples_per_client`, about 237), 60 float32 features. The image and
   tabular sets are bounded by their files (N their nominal pool; the loader refuses more
-  clients than the pool can split, so K counts up to N here); a plugin data set's size is not
-  known before it is loaded and counts as 0. A lazy population (``data.lazy``) holds instead
+  clients than the pool can split, so K counts up to N here); the benchmark readers and
+  stand-ins declare theirs at registration (:class:`mpifl.data.registry.DataShape`: a fixed N
+  or a mean client size, int64 token ids at 8 bytes); a plugin data set that declares none
+  counts as 0. A lazy population (``data.lazy``) holds instead
   ``LAZY_PER_CLIENT_BYTES`` a client (its sample counts and selection's (K,) temporaries) and
   the largest window it draws at once: a worker's share of the round's clients, or a streamed
   evaluation's ``run.eval_window_samples`` samples.
@@ -62,9 +64,11 @@ import torch
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
 from mpifl.data import synthetic
+from mpifl.data.registry import DATASET_LOADERS, DataShape, data_shape
 from mpifl.data.tabular import ROW_COUNTS, SCHEMAS, TABULAR
 from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
+from mpifl.models.zoo import model_params
 
 #: the environment variable that sets this node's memory limit in MiB (tests, shared nodes)
 LIMIT_VAR = "MPIFL_MEMORY_LIMIT_MB"
@@ -238,11 +242,23 @@ def _data_shape(cfg: Config) -> tuple[float | None, tuple[int, ...] | None, int 
         width = sum(1 if values is None else len(values) for _, values in SCHEMAS[d.dataset])
         # the reader's float32 pool and its standardised copy
         return float(ROW_COUNTS[d.dataset]), (width,), 2, 8.0 * width
+    declared = _declared(d.dataset)
+    if declared is not None:
+        return (declared.num_samples(d.num_clients), declared.input_shape,
+                declared.num_classes, declared.sample_bytes())
     return None, None, None, 0.0
 
 
-def model_size(cfg: Config, input_shape: tuple[int, ...], num_classes: int
-               ) -> tuple[int, int] | None:
+def _declared(name: str) -> DataShape | None:
+    """The sizes a registered data set declares (``register_dataset(shape=)``), or None."""
+    try:
+        return data_shape(DATASET_LOADERS.get(name))
+    except (LookupError, TypeError, ValueError):
+        return None
+
+
+def model_size(cfg: Config, input_shape: tuple[int, ...], num_classes: int,
+               vocab_size: int | None = None) -> tuple[int, int] | None:
     """(d, layers) of a built-in model for this input, built on the meta device (no memory);
     None for a plugin model (its factory is not run twice) or one that cannot be built (the
     real build then reports why)."""
@@ -250,9 +266,9 @@ def model_size(cfg: Config, input_shape: tuple[int, ...], num_classes: int
     if name not in MODELS:
         return None
     factory = MODEL_FACTORIES.get(name)
-    params = dict(cfg.model.params)
-    if "hidden" in inspect.signature(factory).parameters:
-        params["hidden"] = tuple(cfg.model.hidden)
+    params = model_params(name, cfg.model.hidden, cfg.model.params)
+    if vocab_size is not None and "vocab_size" in inspect.signature(factory).parameters:
+        params.setdefault("vocab_size", int(vocab_size))
     try:
         width = get_loss(cfg.model.loss).width(num_classes)
         with torch.device("meta"):
@@ -351,7 +367,9 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
         key, value = "data.num_clients", d_cfg.num_clients
     needs.append(Need(key, value, what, data_bytes, every, nodes_ranks))
 
-    built = model_size(cfg, shape, classes) if shape is not None else None
+    declared = _declared(d_cfg.dataset)
+    vocab = declared.vocab_size if declared is not None else None
+    built = model_size(cfg, shape, classes, vocab) if shape is not None else None
     d, layers = built if built is not None else (None, 1)
 
     # results on rank 0: per evaluation K per-client values, per round its rows

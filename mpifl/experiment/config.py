@@ -169,6 +169,8 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     # a built-in or plugin model, or "pkg.module:factory" (checked by name later)
     name: str = "mlp"
+    # hidden layer widths of the built-in mlp (no other model reads them: a plugin model takes
+    # its own parameters, a "hidden" of its own included, from [model.params] only)
     hidden: list[Annotated[int, Field(ge=1, le=2**20)]] = Field(
         default_factory=lambda: [200, 200], max_length=64)
     output: Literal["logits", "softmax"] = "logits"

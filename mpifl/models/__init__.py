@@ -9,6 +9,8 @@ from mpifl.core.layout import Layer, ParamLayout
 from mpifl.models.losses import LOSSES, Loss, get_loss
 from mpifl.models.zoo import (MODEL_FACTORIES, MODELS, OUTPUTS, ModelTraits, build_model,
                               check_model, model_traits)
+# The federated benchmarks' models register themselves on import (ALGORITHMS.md §9).
+from mpifl.models import char_lstm, cnn_femnist, resnet_gn, transformer_lm  # noqa: F401,E402
 
 __all__ = ["LOSSES", "MODELS", "MODEL_FACTORIES", "OUTPUTS", "Layer", "Loss", "ModelTraits",
            "ParamLayout", "build_model", "check_model", "get_loss", "model_traits"]

@@ -12,6 +12,13 @@ Built-ins:
   of a two-class data set; predicted label ``out > 0``.
 - ``mse``: mean squared error over the targets, a regression task: out ``(b, T)`` or ``(b,)``,
   y ``(b,)`` or ``(b, T)`` float32; no accuracy (NaN), summaries are of the client losses.
+- ``token_cross_entropy``: next-token prediction over sequences (char- and word-level language
+  models, as LEAF's and TFF's Shakespeare and TFF's StackOverflow): out ``(b, T, V)`` logits,
+  y ``(b, T)`` int64 token ids; positions whose target is the padding id
+  (:data:`mpifl.data.registry.PAD` = 0) are skipped. A sample's loss is the mean over its
+  counted positions and its accuracy the share of them predicted right (every sequence weighs
+  the same in a client's mean, as every image does); a sample with no counted position has
+  loss 0 and accuracy 0.
 
 A user loss is a registered :class:`Loss` (``@LOSSES.register("name")`` in a plugin) or an import
 path ``"pkg.module:obj"`` naming a :class:`Loss` or a plain function ``fn(out, y) -> (b,)``, taken
@@ -54,6 +61,9 @@ class Loss:
             group counts compare them with y), or None (regression).
         positive: ``fn(out) -> (b,)`` probability of class 1 for binary tasks (mFairFL's
             constraints), or None when the loss defines none.
+        correct: ``fn(out, y) -> (b,)`` float share of each sample predicted right, for a loss
+            whose samples hold several targets (``token_cross_entropy``); None: 1 where
+            ``predict(out) == y``, else 0.
     """
 
     name: str
@@ -62,6 +72,7 @@ class Loss:
     outputs: int | None = None
     predict: Callable[[Tensor], Tensor] | None = None
     positive: Callable[[Tensor], Tensor] | None = None
+    correct: Callable[[Tensor, Tensor], Tensor] | None = None
 
     @property
     def classification(self) -> bool:
@@ -77,6 +88,13 @@ class Loss:
         if self.predict is None:
             return torch.full((out.shape[0],), -1, dtype=torch.int64, device=out.device)
         return self.predict(out)
+
+    def hits(self, out: Tensor, y: Tensor) -> Tensor:
+        """(b,) float64: each sample's share predicted right (0 or 1 for one label a sample);
+        0 for a regression loss."""
+        if self.correct is not None:
+            return self.correct(out, y).double()
+        return (self.labels(out) == y).double()
 
 
 def _check_loss(name: str, loss: object) -> None:
@@ -119,6 +137,28 @@ LOSSES.add("bce", Loss("bce", _bce, outputs=1,
 LOSSES.add("mse", Loss("mse", _mse, task="regression"))
 
 
+def _token_mask(y: Tensor) -> tuple[Tensor, Tensor]:
+    """(b, T) bool mask of the counted positions and (b,) their number (at least 1)."""
+    from mpifl.data.registry import PAD  # the data layer's convention, read where it is used
+    keep = y != PAD
+    return keep, keep.sum(dim=1).clamp_min(1)
+
+
+def _token_ce(out: Tensor, y: Tensor) -> Tensor:
+    keep, count = _token_mask(y)
+    ce = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+    return torch.where(keep, ce, 0.0).sum(dim=1) / count
+
+
+def _token_correct(out: Tensor, y: Tensor) -> Tensor:
+    keep, count = _token_mask(y)
+    return ((out.argmax(dim=-1) == y) & keep).sum(dim=1) / count
+
+
+LOSSES.add("token_cross_entropy", Loss("token_cross_entropy", _token_ce, predict=_argmax,
+                                       correct=_token_correct))
+
+
 def get_loss(name: str) -> Loss:
     """The :class:`Loss` a config names (a registered name or ``"pkg.module:obj"``).
 
@@ -140,6 +180,9 @@ def get_loss(name: str) -> Loss:
     if isinstance(obj, Loss):
         return obj
     return Loss(name, obj, predict=_argmax, positive=_softmax_positive)
+
+
+_INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_loss(loss: Loss, num_classes: int, y: np.ndarray | Tensor | None = None) -> None:
@@ -165,8 +208,10 @@ def check_loss(loss: Loss, num_classes: int, y: np.ndarray | Tensor | None = Non
     width = loss.width(num_classes)
     b = int(y.shape[0])
     gen = torch.Generator().manual_seed(0)
-    scale = torch.logspace(-2, 2, b).unsqueeze(1)
-    out = (torch.randn(b, width, generator=gen) * scale).requires_grad_()
+    # integer sequence targets (b, T): outputs (b, T, width), one row of logits a position
+    shape = (b, *y.shape[1:], width) if y.dtype in _INTEGER and y.dim() == 2 else (b, width)
+    scale = torch.logspace(-2, 2, b).view(b, *[1] * (len(shape) - 1))
+    out = (torch.randn(*shape, generator=gen) * scale).requires_grad_()
     with torch.enable_grad(), blame([("loss", loss.name, loss)], "check"):
         value = loss.per_sample(out, y)
         depends = isinstance(value, Tensor) and value.requires_grad

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,8 +44,11 @@ from mpifl.core.errors import ConfigError
 from mpifl.core.layout import buffer_names
 from mpifl.core.registry import Registry, closest
 
-#: The built-in models (ALGORITHMS.md §9).
-MODELS = ("logreg", "mlp", "cnn_mnist", "cnn_cifar")
+#: The built-in models (ALGORITHMS.md §9): those above, then the federated benchmarks' (their
+#: own modules: :mod:`mpifl.models.cnn_femnist`, ``char_lstm``, ``transformer_lm``,
+#: ``resnet_gn``).
+MODELS = ("logreg", "mlp", "cnn_mnist", "cnn_cifar", "cnn_femnist", "char_lstm",
+          "transformer_lm", "resnet18_gn")
 OUTPUTS = ("logits", "softmax")
 
 
@@ -66,9 +71,11 @@ def build_model(
     input_shape: tuple[int, ...],
     num_classes: int,
     *,
-    hidden: Sequence[int] = (200, 200),
     output: str = "logits",
     seed: int = 0,
+    vocab_size: int | None = None,
+    sample: torch.Tensor | None = None,
+    sequence_targets: bool = False,
     **params: Any,
 ) -> nn.Module:
     """Build a registered model (built-in or plugin) with deterministic initial weights.
@@ -80,10 +87,18 @@ def build_model(
             ``(1, 28, 28)`` or ``(3, 32, 32)``. CNNs take ``(C, H, W)`` or ``(H, W)`` (one channel).
         num_classes: output width: the number of classes C, of regression targets, or 1 for
             a one-logit loss (``bce``); the model outputs ``(batch, num_classes)``.
-        hidden: hidden layer widths, passed to factories that take ``hidden`` (``mlp``).
         output: ``"logits"`` or ``"softmax"`` (appends ``Softmax(dim=-1)``, FedFV reference code).
         seed: initial weights depend only on this; the global torch RNG is left untouched.
-        params: further keyword arguments of the factory (a plugin model's ``[model.params]``).
+        vocab_size: V for token inputs (``input_shape = (T,)`` int64 ids), passed to a factory
+            whose signature names ``vocab_size`` (unless ``params`` sets it); a factory that
+            does not name it cannot take token ids and is refused.
+        sample: (b, *input_shape) a real batch of the run's data (b >= 2), on which the model
+            is checked in eval and train mode (a run always passes one); None: two zero
+            samples, padding ids for token inputs.
+        sequence_targets: the targets are (T,) tokens a sample: the output must be
+            ``(b, T, num_classes)``.
+        params: keyword arguments of the factory: a plugin model's ``[model.params]``, or
+            ``hidden`` (layer widths) of the built-in ``mlp`` (:func:`model_params`).
 
     Returns:
         An ``nn.Module`` of float32 CPU parameters (checked: :func:`check_model`), in eval
@@ -102,8 +117,9 @@ def build_model(
     shape = _check_shape(input_shape)
     if int(num_classes) < 1:
         raise ConfigError(f"the model's output width must be at least 1, got {num_classes}")
-    if "hidden" in inspect.signature(factory).parameters:
-        params = {"hidden": tuple(hidden), **params}
+    params = _with_vocab(name, factory, vocab_size, params)
+    if sample is None and (vocab_size is not None or "vocab_size" in params):
+        sample = torch.zeros(2, *shape, dtype=torch.int64)
     _check_params(name, factory, params)
     # Module constructors draw from the global CPU generator: fork it so that the caller's
     # random stream is exactly as before, and seed only the forked copy.
@@ -118,8 +134,33 @@ def build_model(
         model = nn.Sequential(OrderedDict([*model.named_children()], softmax=nn.Softmax(dim=-1))) \
             if isinstance(model, nn.Sequential) else nn.Sequential(model, nn.Softmax(dim=-1))
     with blame([("model", name, factory)], "check"):
-        check_model(model, shape, int(num_classes), name)
+        check_model(model, shape, int(num_classes), name, sample=sample,
+                    sequence_targets=sequence_targets)
     return model.eval()
+
+
+def model_params(name: str, hidden: Sequence[int], params: dict[str, Any]) -> dict[str, Any]:
+    """The factory keywords of a config's ``[model]``: ``model.hidden`` goes to the built-in
+    ``mlp`` only (the other built-ins have no hidden layers to size); any other model, a
+    plugin's above all, gets exactly its own ``[model.params]``, no built-in default."""
+    return {"hidden": tuple(hidden), **params} if name == "mlp" else dict(params)
+
+
+def _with_vocab(name: str, factory: object, vocab_size: int | None,
+                params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` plus ``vocab_size`` for a factory that names it (token inputs)."""
+    try:
+        taken = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        taken = {}
+    if vocab_size is not None and "vocab_size" not in params:
+        if "vocab_size" not in taken:
+            raise ConfigError(f"model '{name}' takes float features, but the data set holds "
+                              f"token ids (vocab_size {vocab_size}): choose a model with an "
+                              f"embedding (char_lstm, transformer_lm) or a factory that names "
+                              f"vocab_size")
+        params = {**params, "vocab_size": int(vocab_size)}
+    return params
 
 
 def _check_params(name: str, factory: object, params: dict[str, Any]) -> None:
@@ -144,12 +185,20 @@ def _check_params(name: str, factory: object, params: dict[str, Any]) -> None:
 
 
 def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
-                name: str = "model") -> None:
+                name: str = "model", *, sample: torch.Tensor | None = None,
+                sequence_targets: bool = False) -> None:
     """The contract of every trainer: an ``nn.Module`` with at least one parameter, all float32;
     float32 buffers only (BatchNorm's running statistics travel in w with the parameters); no
     BatchNorm without running statistics (it would evaluate each client's test set with that
-    set's own batch statistics); output ``(batch, num_classes)`` in eval mode. Buffers and
-    random layers (Dropout, ``F.dropout``) are allowed; :func:`model_traits` reports them.
+    set's own batch statistics); output ``(b, num_classes)`` (``(b, T, num_classes)`` for
+    sequence targets) on ``sample`` in eval mode and in train mode. Buffers and random layers
+    (Dropout, ``F.dropout``) are allowed; :func:`model_traits` reports them.
+
+    Args:
+        sample: (b, *input_shape) a real batch of the run's data, b >= 2 (token ids for a
+            language model: random floats or zeros would not be the inputs it trains on);
+            None: two zero samples of float features.
+        sequence_targets: expect one row of num_classes logits at each of the T positions.
 
     Raises:
         ConfigError: naming the model, the offending parameter, buffer or module, and why.
@@ -174,14 +223,30 @@ def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
                               f"statistics, which would evaluate every client's test set with "
                               f"that set's own batch statistics; keep track_running_stats=True "
                               f"(the statistics then travel with the model, ALGORITHMS.md §9)")
+    x = torch.zeros(2, *input_shape) if sample is None else sample
+    b = int(x.shape[0])
+    want = (b, *(tuple(input_shape) if sequence_targets else ()), num_classes)
+    for mode in ("eval", "train"):
+        out = _forward_unchanged(model, x, train=mode == "train")
+        if tuple(out.shape) != want:
+            raise ConfigError(f"model '{name}': output shape {tuple(out.shape)} for a batch of "
+                              f"{b} in {mode} mode, expected {want}")
+
+
+def _forward_unchanged(model: nn.Module, x: torch.Tensor, *, train: bool) -> torch.Tensor:
+    """The model's output on x in train or eval mode, leaving its mode, buffers and the
+    caller's random streams as they were."""
+    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        out = model(torch.zeros(2, *input_shape))
-    model.train(was_training)
-    if tuple(out.shape) != (2, num_classes):
-        raise ConfigError(f"model '{name}': output shape {tuple(out.shape)} for a batch of 2, "
-                          f"expected (2, {num_classes})")
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.train(train)
+            return model(x.to(next(model.parameters()).device))
+    finally:
+        model.train(was_training)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(saved[n])
 
 
 @dataclass(frozen=True)
@@ -196,11 +261,16 @@ class ModelTraits:
             the per-client loop keys them by (seed, round, client, step).
         convolutional: the model has convolutions (``client.trainer = "auto"`` may prefer the
             loop for them, see :func:`mpifl.clients.select_trainer`).
+        unbatched: the operators of its training step that ``torch.func.vmap`` has no batching
+            rule for (e.g. ``aten::mkldnn_rnn_layer`` of ``nn.LSTM`` on a CPU): vmap still
+            trains such a model exactly, but runs those operators one client at a time, so
+            ``auto`` prefers the loop.
     """
 
     buffers: tuple[str, ...] = ()
     random: bool = False
     convolutional: bool = False
+    unbatched: tuple[str, ...] = ()
 
     @property
     def vmappable(self) -> bool:
@@ -208,36 +278,62 @@ class ModelTraits:
         return not self.buffers and not self.random
 
 
-def model_traits(model: nn.Module, input_shape: Sequence[int]) -> ModelTraits:
-    """Detect buffers, randomness and convolutions of a checked model, once, when the run is
-    assembled (never in round 1).
+def model_traits(model: nn.Module, input_shape: Sequence[int],
+                 sample: torch.Tensor | None = None) -> ModelTraits:
+    """Detect buffers, randomness, convolutions and unbatched operators of a checked model,
+    once, when the run is assembled (never in round 1).
 
-    Randomness is found by running the model in train mode on one random batch under two
-    different torch seeds: any layer drawing random numbers, a module or a functional call
-    (``F.dropout`` inside ``forward``), gives different outputs. The caller's random streams
-    and the model's mode and buffers are left as they were.
+    Randomness is found by running the model in train mode on one batch under two different
+    torch seeds: any layer drawing random numbers, a module or a functional call
+    (``F.dropout`` inside ``forward``), gives different outputs. Unbatched operators are
+    those for which one vmapped gradient over two copies of the parameters warns that it
+    falls back to a loop. The caller's random streams and the model's mode and buffers are
+    left as they were.
+
+    Args:
+        sample: (b, *input_shape) a batch of the run's data (token ids for a language model);
+            None: four random float samples.
     """
     shape = _check_shape(input_shape)
     buffers = tuple(buffer_names(model))
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
-    was_training = model.training
-    outs = []
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            device = next(model.parameters()).device
+    device = next(model.parameters()).device
+    if sample is None:
+        with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            x = torch.randn(4, *shape, device=device)
-            model.train()
-            for seed in (1, 2):
-                torch.manual_seed(seed)
-                outs.append(model(x))
+            sample = torch.randn(4, *shape, device=device)
+    outs = []
+    for seed in (1, 2):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            outs.append(_forward_unchanged(model, sample, train=True))
+    conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    unbatched = () if buffers else _unbatched_ops(model, sample[:2].to(device))
+    return ModelTraits(buffers, not torch.equal(outs[0], outs[1]), conv, unbatched)
+
+
+_FALLBACK = re.compile(r"batching rule for (\S+?)\.? ")
+
+
+def _unbatched_ops(model: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
+    """The operators of one vmapped gradient step (two parameter copies, eval mode so that
+    random layers draw nothing) that vmap runs through its slow per-sample fallback."""
+    from torch.func import functional_call, grad, vmap
+    params = {n: p.detach().unsqueeze(0).expand(2, *p.shape) for n, p in model.named_parameters()}
+    xs = x.unsqueeze(0).expand(2, *x.shape)
+
+    def total(p, xb):
+        return functional_call(model, p, (xb,)).float().sum()
+
+    was_training = model.training
+    try:
+        model.eval()
+        with warnings.catch_warnings(record=True) as caught, torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("always")
+            vmap(grad(total))(params, xs)
     finally:
         model.train(was_training)
-        with torch.no_grad():
-            for n, b in model.named_buffers():
-                b.copy_(saved[n])
-    conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    return ModelTraits(buffers, not torch.equal(outs[0], outs[1]), conv)
+    found = (_FALLBACK.search(str(w.message)) for w in caught)
+    return tuple(sorted({m.group(1) for m in found if m}))
 
 
 #: ``model.batchnorm``: where BatchNorm's state lives (ALGORITHMS.md §9, "BatchNorm").
