@@ -70,7 +70,7 @@ BAD = [
     (["server.algorithm=fedfw"], "server.algorithm: unknown algorithm 'fedfw' (did you mean 'fedfv'?)"),
     (["server.clients_per_round=101"], "server.clients_per_round: 101 exceeds data.num_clients (100)"),
     (["data.partition=one_class_per_client"], "data.num_clients: one_class_per_client needs"),
-    (["data.partition=natural"], "data.partition: 'natural' goes with dataset 'synthetic'"),
+    (["data.partition=natural"], "data.partition: 'natural' goes with the data sets that have their own clients ("),
     (["nosection"], "--set 'nosection': expected section.key=value"),
 ]
 

@@ -282,7 +282,12 @@ def group_skew(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *
     return P.group_skew(sensitive, num_clients, rng, shares)
 
 
-#: The built-in names, in the order the docs list them (all registered above).
-DATASETS = (*IMAGES, "synthetic", *TABULAR)
+# The federated benchmarks as published (LEAF, TFF, FLAIR) and their generated stand-ins
+# register themselves on import, beside the sets above.
+from mpifl.data.published import PUBLISHED  # noqa: E402
+from mpifl.data.standins import STANDINS  # noqa: E402
+
+#: The built-in names, in the order the docs list them (all registered above or on import).
+DATASETS = (*IMAGES, "synthetic", *TABULAR, *PUBLISHED, *STANDINS)
 PARTITIONS = ("iid", "shards", "pathological", "dirichlet", "one_class_per_client", "natural",
               "group_skew")

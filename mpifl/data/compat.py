@@ -200,9 +200,9 @@ def _refusal(tag: str, dataset: str, partition: str) -> str:
     if tag == CLIENTS:
         takers = [n for n in PARTITIONERS.available()
                   if CLIENTS in getattr(lookup(PARTITIONERS, n), "needs", ())]
-        return (f"{_either(takers)} goes with dataset {_either(owners)} and only with "
-                f"{'it' if len(owners) == 1 else 'them'} (got dataset '{dataset}', partition "
-                f"'{partition}')")
+        return (f"{_either(takers)} goes with the data sets that have their own clients "
+                f"({', '.join(owners) or 'none'}) and they only with {_either(takers)} (got "
+                f"dataset '{dataset}', partition '{partition}')")
     if tag == LABELS:
         return (f"partition '{partition}' splits by class label; data set '{dataset}' has "
                 f"regression targets: use 'iid' or a partition that does not read labels")

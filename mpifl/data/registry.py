@@ -37,6 +37,7 @@ import numpy as np
 
 from mpifl.core.errors import DataError
 from mpifl.core.params import Params
+from mpifl.core.tokens import PAD  # the padding id of every token data set
 from mpifl.core.registry import Registry
 
 __all__ = ["CLIENTS", "DATASET_LOADERS", "LABELS", "NoParams", "PAD", "PARTITIONERS", "RAW",
@@ -52,9 +53,6 @@ RAW = "raw"              # the raw uint8 images besides the normalised x (DataPo
 CLIENTS = "clients"      # the data set's own clients (DataPool.client_sizes); such a data set
 #                          goes only with a partition that needs them
 TAGS = (LABELS, SENSITIVE, RAW, CLIENTS)
-#: The padding token id of every token data set (inputs and sequence targets): id 0 of its
-#: vocabulary, skipped by the ``token_cross_entropy`` loss and its accuracy.
-PAD = 0
 
 
 class NoParams(Params):

@@ -30,11 +30,17 @@ class DatasetLayout:
     """The folder of a dataset under a data root and the files it must hold.
 
     ``gz_ok``: each file may also be present gzip-compressed as ``<name>.gz`` (IDX files).
+    ``alternatives``: besides ``files``, the folder must hold every entry of one of these
+    groups; an entry may be a glob pattern (``all_data/*.json``: at least one match).
+    ``source``: where to get the files, for the "not found" message (sets not fetched by
+    ``mpifl data fetch``).
     """
 
     subdir: str
     files: tuple[str, ...]
     gz_ok: bool = False
+    alternatives: tuple[tuple[str, ...], ...] = ()
+    source: str = ""
 
 
 _IDX_FILES = (
@@ -52,6 +58,45 @@ LAYOUTS: dict[str, DatasetLayout] = {
     ),
     "cifar100": DatasetLayout("cifar-100-python", ("train", "test")),
 }
+
+_LEAF_URL = "https://github.com/TalwalkarLab/leaf"
+_TFF_URL = "https://storage.googleapis.com/tff-datasets-public/"
+
+
+def _leaf(name: str) -> DatasetLayout:
+    """LEAF's own output folder ``leaf/data/<name>/data`` (a clone of LEAF in the data root)."""
+    return DatasetLayout(
+        f"leaf/data/{name}/data", (), alternatives=(("all_data/*.json",),
+                                                    ("train/*.json", "test/*.json")),
+        source=f"clone {_LEAF_URL} into the data root and run its ./preprocess.sh in "
+               f"leaf/data/{name} (all_data/ is enough)")
+
+
+def _tff(files: tuple[str, ...], tarballs: str) -> DatasetLayout:
+    """The h5 files of TFF's tarballs, extracted into ``tff/``."""
+    return DatasetLayout("tff", files, source=f"download {tarballs} from {_TFF_URL} and "
+                                              f"extract them there (tar -xjf)")
+
+
+#: The federated benchmarks as published (mpifl.data.published).
+LAYOUTS.update({
+    "leaf_femnist": _leaf("femnist"),
+    "leaf_shakespeare": _leaf("shakespeare"),
+    "leaf_sent140": _leaf("sent140"),
+    "leaf_synthetic": _leaf("synthetic"),
+    "tff_emnist": _tff(("fed_emnist_train.h5", "fed_emnist_test.h5"), "fed_emnist.tar.bz2"),
+    "tff_shakespeare": _tff(("shakespeare_train.h5", "shakespeare_test.h5"),
+                            "shakespeare.tar.bz2"),
+    "tff_stackoverflow": _tff(("stackoverflow_train.h5", "stackoverflow_test.h5"),
+                              "stackoverflow.tar.bz2 (and stackoverflow.word_count.tar.bz2 for "
+                              "TFF's vocabulary)"),
+    "tff_cifar100": _tff(("fed_cifar100_train.h5", "fed_cifar100_test.h5"),
+                         "fed_cifar100.tar.bz2"),
+    "flair": DatasetLayout(
+        "flair", ("flair_federated.hdf5",),
+        source="make it with apple/pfl-research's `python -m dataset.flair.download_preprocess "
+               "--output_file flair_federated.hdf5` (benchmarks/dataset/flair)"),
+})
 
 
 def default_cache_root() -> Path:
@@ -99,35 +144,56 @@ def find_folder(name: str, layout: DatasetLayout, data_root: str | os.PathLike |
         if not _missing(folder, layout):
             return folder
         tried.append(str(folder))
-    wanted = ", ".join(f + ("[.gz]" if layout.gz_ok else "") for f in layout.files)
+    wanted = _wanted(layout)
     raise DataError(f"dataset '{name}' not found: no folder holds all of {wanted}; tried "
                     f"{', '.join(tried)}; {get_it}, or set $MPIFL_DATA / data.data_root to a "
                     f"folder that holds {layout.subdir}/")
 
 
+def _wanted(layout: DatasetLayout) -> str:
+    """The files ``layout`` asks for, as a message names them."""
+    out = ", ".join(f + ("[.gz]" if layout.gz_ok else "") for f in layout.files)
+    if layout.alternatives:
+        out += (", " if out else "") + " or ".join(" + ".join(g) for g in layout.alternatives)
+    return out
+
+
 def _in_named_root(name: str, layout: DatasetLayout, root: Path, setting: str) -> Path:
     folder = root / layout.subdir
+    put = layout.source or f"`mpifl data fetch {name} --root {root}` puts the files there"
     after = named_root(None) if setting == "data.data_root" else None  # $MPIFL_DATA's turn
     unset = (f"or unset {setting} to use $MPIFL_DATA ({after[0]})" if after else
              f"or unset {setting} to search {default_cache_root()} and {SYSTEM_ROOT}")
     if not root.is_dir():
         raise DataError(f"dataset '{name}' not found: {setting} is {root}, which does not "
                         f"exist (so neither does {folder}); set {setting} to the folder that "
-                        f"holds {layout.subdir}/ (`mpifl data fetch {name} --root {root}` puts "
-                        f"the files there), {unset}")
+                        f"holds {layout.subdir}/ ({put}), {unset}")
     missing = _missing(folder, layout)
     if missing:
         where = f"{folder} lacks {', '.join(missing)}" if folder.is_dir() else \
-            f"{root} has no folder {layout.subdir}/"
+            f"{root} has no folder {layout.subdir}/ (of {_wanted(layout)})"
+        get = layout.source or f"`mpifl data fetch {name} --root {root}`"
         raise DataError(f"dataset '{name}' not found in {setting} {root}: {where}; put its files "
-                        f"in {folder} (`mpifl data fetch {name} --root {root}`), {unset}")
+                        f"in {folder} ({get}), {unset}")
     return folder
 
 
 def _missing(folder: Path, layout: DatasetLayout) -> list[str]:
-    """The files of ``layout`` that ``folder`` lacks (``name[.gz]`` where gzip is accepted)."""
-    return [f + ("[.gz]" if layout.gz_ok else "") for f in layout.files
-            if locate_file(folder, f, layout.gz_ok) is None]
+    """The files of ``layout`` that ``folder`` lacks (``name[.gz]`` where gzip is accepted;
+    for ``alternatives``, all of them joined by "or" unless one group is complete)."""
+    out = [f + ("[.gz]" if layout.gz_ok else "") for f in layout.files
+           if locate_file(folder, f, layout.gz_ok) is None]
+    if layout.alternatives and not any(
+            all(_present(folder, f) for f in group) for group in layout.alternatives):
+        out.append(" or ".join(" + ".join(g) for g in layout.alternatives))
+    return out
+
+
+def _present(folder: Path, entry: str) -> bool:
+    """A file ``folder/entry``, or at least one file matching the glob pattern ``entry``."""
+    if any(c in entry for c in "*?["):
+        return folder.is_dir() and any(p.is_file() for p in folder.glob(entry))
+    return (folder / entry).is_file()
 
 
 def locate_file(folder: Path, name: str, gz_ok: bool) -> Path | None:
@@ -139,6 +205,8 @@ def locate_file(folder: Path, name: str, gz_ok: bool) -> Path | None:
 
 
 def _how_to_get(name: str) -> str:
+    if LAYOUTS[name].source:
+        return LAYOUTS[name].source
     hint = f"get it with `mpifl data fetch {name}`"
     if name == "fashion_mnist":
         hint += " or `apt-get install dataset-fashion-mnist`"

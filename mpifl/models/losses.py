@@ -15,7 +15,7 @@ Built-ins:
 - ``token_cross_entropy``: next-token prediction over sequences (char- and word-level language
   models, as LEAF's and TFF's Shakespeare and TFF's StackOverflow): out ``(b, T, V)`` logits,
   y ``(b, T)`` int64 token ids; positions whose target is the padding id
-  (:data:`mpifl.data.registry.PAD` = 0) are skipped. A sample's loss is the mean over its
+  (:data:`mpifl.core.tokens.PAD` = 0) are skipped. A sample's loss is the mean over its
   counted positions and its accuracy the share of them predicted right (every sequence weighs
   the same in a client's mean, as every image does); a sample with no counted position has
   loss 0 and accuracy 0.
@@ -39,6 +39,7 @@ from torch import Tensor
 from mpifl.core.blame import blame
 from mpifl.core.errors import ConfigError
 from mpifl.core.registry import Registry
+from mpifl.core.tokens import PAD
 
 __all__ = ["LOSSES", "Loss", "check_loss", "get_loss"]
 
@@ -139,7 +140,6 @@ LOSSES.add("mse", Loss("mse", _mse, task="regression"))
 
 def _token_mask(y: Tensor) -> tuple[Tensor, Tensor]:
     """(b, T) bool mask of the counted positions and (b,) their number (at least 1)."""
-    from mpifl.data.registry import PAD  # the data layer's convention, read where it is used
     keep = y != PAD
     return keep, keep.sum(dim=1).clamp_min(1)
 

@@ -1,0 +1,102 @@
+"""Reader of FLAIR (Song et al., "FLAIR: Federated Learning Annotated Image Repository",
+NeurIPS 2022 Datasets and Benchmarks) in the h5 file that apple/pfl-research's
+``benchmarks/dataset/flair/download_preprocess.py`` writes (``flair_federated.hdf5``), one client
+per Flickr user.
+
+Layout (pfl-research): ``/<partition>/<user_id>/images`` (n, H, W, 3) uint8 (256 x 256),
+``labels_row`` (uint16 image index within the user) and ``labels_col`` (uint8 label index) the
+coarse labels as sparse coordinates, ``fine_grained_labels_row`` / ``_col`` the same for the
+fine-grained taxonomy, ``image_ids``; ``/metadata/label_mapping`` and
+``/metadata/fine_grained_label_mapping`` JSON objects label -> index (17 coarse labels, 1,628
+fine-grained). Partitions ``train``, ``val``, ``test`` hold disjoint users.
+
+FLAIR is **multi-label**: an image has one or more labels. The reader yields float32 multi-hot
+targets (n, C), as pfl-research's ``get_multi_hot_targets`` does; mpifl's built-in losses have
+no multi-label (binary cross-entropy) loss, so such a pool trains with ``loss = "mse"`` or a
+user's own loss; it provides no integer labels (no label-based partition, no accuracy).
+
+Clients: the users of the chosen partitions (``train``, ``val``, ``test`` by default) in
+h5py's order (by name), a user's rows pooled over partitions; users with fewer than 2 images
+are skipped; K clients are the first K. x (n, 3, H, W) float32 = images / 255. pfl-research
+publishes no checksum of its output (it is made on the user's machine from the Hugging Face
+``apple/flair`` set); the file is checked for its layout only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from mpifl.core.errors import DataError
+from mpifl.data.tff import ClientIndex, Convert, H5Part, write_rows, feature, open_h5, rows_of
+
+__all__ = ["FLAIR_FILE", "flair", "label_count"]
+
+FLAIR_FILE = "flair_federated.hdf5"
+
+
+def label_count(path: Path, fine_grained: bool) -> int:
+    """C: the number of labels in the file's label mapping.
+
+    Raises:
+        DataError: a missing or unreadable mapping.
+    """
+    key = "/metadata/fine_grained_label_mapping" if fine_grained else "/metadata/label_mapping"
+    with open_h5(path) as f:
+        d = f.get(key)
+        raw = d[()] if isinstance(d, h5py.Dataset) else None
+    try:
+        mapping = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+        ok = isinstance(mapping, dict) and len(mapping) >= 2
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise DataError(f"{path}: '{key}' must be a JSON object label -> index (pfl-research's "
+                        f"download_preprocess.py writes it)")
+    return len(mapping)
+
+
+def _multi_hot(groups: list[h5py.Group], prefix: str, classes: int) -> np.ndarray:
+    """(n, C) float32 multi-hot targets of a user's groups, group after group."""
+    out = []
+    for g in groups:
+        n = int(g["images"].shape[0])
+        rows = feature([g], f"{prefix}_row").astype(np.int64)
+        cols = feature([g], f"{prefix}_col").astype(np.int64)
+        if rows.shape != cols.shape or (rows.size and (rows.min() < 0 or rows.max() >= n
+                                                       or cols.min() < 0
+                                                       or cols.max() >= classes)):
+            raise DataError(f"{g.file.filename}: '{g.name}/{prefix}_row/_col' must be image "
+                            f"indices < {n} and label indices < {classes} of equal length")
+        vec = np.zeros((n, classes), dtype=np.float32)
+        vec[rows, cols] = 1.0
+        out.append(vec)
+    return np.concatenate(out)
+
+
+def flair(folder: Path, num_clients: int, partitions: Sequence[str], fine_grained: bool
+          ) -> tuple[ClientIndex, list, np.ndarray, Convert, tuple[int, ...], int]:
+    """FLAIR's users: (index, clients, sizes, convert, input shape (3, H, W), C).
+
+    ``convert(groups, x, y)`` writes x (n, 3, H, W) float32 and y (n, C) float32 multi-hot.
+    """
+    path = folder / FLAIR_FILE
+    classes = label_count(path, fine_grained)
+    index = ClientIndex([H5Part(path, p) for p in partitions], pooled=True)
+    clients, sizes = index.select("flair", num_clients, rows_of("images"))
+    with index.opened() as roots:
+        shape = index.groups(roots, clients[0])[0]["images"].shape[1:] if clients else (0, 0, 3)
+    if len(shape) != 3 or shape[2] != 3:
+        raise DataError(f"{path}: images must be (n, H, W, 3) uint8, got rows of {shape}")
+    prefix = "fine_grained_labels" if fine_grained else "labels"
+
+    def convert(groups: list[h5py.Group], x: np.ndarray, y: np.ndarray) -> None:
+        img = feature(groups, "images", tuple(shape))
+        xf = np.multiply(img.transpose(0, 3, 1, 2), np.float32(1 / 255), dtype=np.float32)
+        write_rows(x, xf, "images", groups)
+        write_rows(y, _multi_hot(groups, prefix, classes), "images", groups)
+    return index, clients, sizes, convert, (3, int(shape[0]), int(shape[1])), classes

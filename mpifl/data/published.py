@@ -1,0 +1,249 @@
+"""The federated benchmarks in the formats as published, registered as mpifl data sets, each
+split by its own clients (``data.partition = "natural"``; K = ``data.num_clients`` takes the
+first K clients in the files' order, see each reader):
+
+================== ===================== =========================================== ==========
+name               reader                pool (per client k)                         lazy
+================== ===================== =========================================== ==========
+leaf_femnist       :mod:`.leaf`          x (n, 1, 28, 28) float32, y 62 classes      no
+leaf_shakespeare   :mod:`.leaf`          x (n, 80) int64 (81 ids), y next char (81)  no
+leaf_sent140       :mod:`.leaf`          x (n, 25) int64 word ids, y 0/1             no
+leaf_synthetic     :mod:`.leaf`          x (n, 60) float32, y C classes (from data)  no
+tff_emnist         :mod:`.tff`           x (n, 1, 28, 28) float32, y 62 classes      yes
+tff_shakespeare    :mod:`.tff`           x, y (n, 80) int64 (90 ids), next chars     yes
+tff_stackoverflow  :mod:`.tff`           x, y (n, 20) int64 (10,004 ids), next words yes
+tff_cifar100       :mod:`.tff`           x (n, 3, 32, 32) float32, y 100 (or 20)     yes
+flair              :mod:`.flair`         x (n, 3, 256, 256) float32, y (n, 17) multi no
+================== ===================== =========================================== ==========
+
+Folders under a data root (:mod:`mpifl.data.roots`): ``leaf/data/<set>/data`` (LEAF's own
+output, a clone of LEAF in the root), ``tff/`` (TFF's tarballs extracted), ``flair/``
+(``flair_federated.hdf5``). A lazy set's eager pool is its lazy clients drawn in order (the
+same ``fill``), so they are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from mpifl.core.params import Params
+from mpifl.data import flair as F
+from mpifl.data import leaf as L
+from mpifl.data import tff as T
+from mpifl.data.registry import (CLIENTS, LABELS, ClientSource, DataPool, DataShape, NoParams,
+                                 register_dataset)
+from mpifl.data.roots import find_dataset_dir
+
+__all__ = ["FlairParams", "LeafSent140Params", "LeafSyntheticParams", "PUBLISHED",
+           "TffCifar100Params", "TffStackOverflowParams", "drawn_pool"]
+
+INT32_MAX = 2**31 - 1
+#: Sizes for the memory budget (mean samples a client: LEAF, Caldas et al. 2018, Table 1;
+#: TFF's dataset documentation; Song et al., FLAIR, 2022), at the default parameters.
+SHAPES = {
+    "leaf_femnist": DataShape((1, 28, 28), 62, samples_per_client=805_263 / 3_550),
+    "leaf_shakespeare": DataShape((80,), 81, samples_per_client=4_226_158 / 1_129,
+                                  vocab_size=81),
+    "leaf_sent140": DataShape((25,), 2, samples_per_client=1_600_498 / 660_120,
+                              vocab_size=10_002),
+    "leaf_synthetic": DataShape((60,), 5, samples_per_client=107_553 / 1_000),
+    "tff_emnist": DataShape((1, 28, 28), 62, samples_per_client=(671_585 + 77_483) / 3_400),
+    # ~4.2 M characters in rows of 81 over 715 roles
+    "tff_shakespeare": DataShape((80,), 90, samples_per_client=73.0, vocab_size=90,
+                                 target_shape=(80,)),
+    "tff_stackoverflow": DataShape((20,), 10_004, samples_per_client=(135_818_730 + 16_586_035)
+                                   / 342_477, vocab_size=10_004, target_shape=(20,)),
+    "tff_cifar100": DataShape((3, 32, 32), 100, samples_per_client=100.0),
+    "flair": DataShape((3, 256, 256), 17, samples_per_client=429_078 / 51_414,
+                       target_shape=(17,)),
+}
+PUBLISHED = ("leaf_femnist", "leaf_shakespeare", "leaf_sent140", "leaf_synthetic", "tff_emnist",
+             "tff_shakespeare", "tff_stackoverflow", "tff_cifar100", "flair")
+
+
+def drawn_pool(source: ClientSource, y_dtype: type = np.int64,
+               target_shape: tuple[int, ...] | None = None) -> DataPool:
+    """Every client of ``source`` filled in order into one pool (``client_sizes`` set)."""
+    sizes = np.asarray(source.sizes, dtype=np.int64)
+    ptr = np.concatenate([[0], np.cumsum(sizes)])
+    x = np.empty((int(ptr[-1]), *source.input_shape), dtype=source.x_dtype)
+    y = np.empty((int(ptr[-1]), *(target_shape or source.target_shape)), dtype=y_dtype)
+    for k in range(len(sizes)):
+        source.fill(k, x[ptr[k]:ptr[k + 1]], y[ptr[k]:ptr[k + 1]])
+    return DataPool(x, y, source.num_classes, client_sizes=sizes, vocab_size=source.vocab_size)
+
+
+# --------------------------------------------------------------------------- LEAF
+
+@register_dataset("leaf_femnist", params=NoParams, provides=(LABELS, CLIENTS),
+                  shape=SHAPES["leaf_femnist"])
+def leaf_femnist(*, seed: int, data_root: str | None = None, num_clients: int) -> DataPool:
+    """LEAF FEMNIST's first K writers (:func:`mpifl.data.leaf.read_femnist`)."""
+    x, y, sizes = L.read_femnist(find_dataset_dir("leaf_femnist", data_root), num_clients)
+    return DataPool(x, y, L.FEMNIST_CLASSES, client_sizes=sizes)
+
+
+@register_dataset("leaf_shakespeare", params=NoParams, provides=(LABELS, CLIENTS),
+                  shape=SHAPES["leaf_shakespeare"])
+def leaf_shakespeare(*, seed: int, data_root: str | None = None, num_clients: int) -> DataPool:
+    """LEAF Shakespeare's first K roles (:func:`mpifl.data.leaf.read_shakespeare`)."""
+    x, y, sizes = L.read_shakespeare(find_dataset_dir("leaf_shakespeare", data_root),
+                                     num_clients)
+    ids = len(L.ALL_LETTERS) + 1
+    return DataPool(x, y, ids, client_sizes=sizes, vocab_size=ids)
+
+
+class LeafSent140Params(Params):
+    """``leaf_sent140``: the word vocabulary and the tweet length."""
+
+    # the most frequent words kept (ids 2..vocab_size+1; 0 PAD, 1 out of vocabulary)
+    vocab_size: int = Field(10_000, ge=1, le=INT32_MAX)
+    # words a tweet keeps (the rest is cut), padded with PAD (0) to this length
+    max_length: int = Field(25, ge=1, le=4096)
+
+
+@register_dataset("leaf_sent140", params=LeafSent140Params, provides=(LABELS, CLIENTS),
+                  shape=SHAPES["leaf_sent140"])
+def leaf_sent140(*, seed: int, data_root: str | None = None, num_clients: int,
+                 vocab_size: int, max_length: int) -> DataPool:
+    """LEAF Sent140's first K users (:func:`mpifl.data.leaf.read_sent140`)."""
+    x, y, sizes, ids = L.read_sent140(find_dataset_dir("leaf_sent140", data_root), num_clients,
+                                      vocab_size, max_length)
+    return DataPool(x, y, 2, client_sizes=sizes, vocab_size=ids)
+
+
+class LeafSyntheticParams(Params):
+    """``leaf_synthetic``: its number of classes."""
+
+    # C; None: the largest label in the files + 1 (LEAF's generator's -num-classes)
+    num_classes: int | None = Field(None, ge=2, le=INT32_MAX)
+
+
+@register_dataset("leaf_synthetic", params=LeafSyntheticParams, provides=(LABELS, CLIENTS),
+                  shape=SHAPES["leaf_synthetic"])
+def leaf_synthetic(*, seed: int, data_root: str | None = None, num_clients: int,
+                   num_classes: int | None) -> DataPool:
+    """LEAF Synthetic's first K tasks (:func:`mpifl.data.leaf.read_synthetic`)."""
+    x, y, sizes, classes = L.read_synthetic(find_dataset_dir("leaf_synthetic", data_root),
+                                            num_clients, num_classes)
+    return DataPool(x, y, classes, client_sizes=sizes)
+
+
+# --------------------------------------------------------------------------- TFF
+
+def _tff_folder(name: str, data_root: str | None):
+    folder = find_dataset_dir(name, data_root)
+    T.verify_tarballs(name, folder)
+    return folder
+
+
+def _source(built: tuple, num_classes: int, input_shape: tuple[int, ...], **kw) -> ClientSource:
+    index, clients, sizes, convert = built[:4]
+    return ClientSource(sizes, num_classes, input_shape, T.H5Source(index, clients, convert).fill,
+                        **kw)
+
+
+def _eager(lazy: Callable[..., ClientSource]) -> Callable[..., DataPool]:
+    """The eager loader of a lazy set: its clients drawn in order (equal bit for bit)."""
+    @functools.wraps(lazy)  # its signature too (load_federated passes num_clients by it)
+    def load(**kwargs) -> DataPool:
+        return drawn_pool(lazy(**kwargs))
+    load.__doc__ = f"Every client of :func:`{lazy.__name__}` in one pool."
+    return load
+
+
+def tff_emnist_clients(*, seed: int, data_root: str | None = None,
+                       num_clients: int) -> ClientSource:
+    """TFF Federated EMNIST's first K writers (:func:`mpifl.data.tff.emnist`)."""
+    built = T.emnist(_tff_folder("tff_emnist", data_root), num_clients)
+    return _source(built, 62, (1, 28, 28))
+
+
+def tff_shakespeare_clients(*, seed: int, data_root: str | None = None,
+                            num_clients: int) -> ClientSource:
+    """TFF Shakespeare's first K roles (:func:`mpifl.data.tff.shakespeare`)."""
+    built = T.shakespeare(_tff_folder("tff_shakespeare", data_root), num_clients)
+    t = T.SHAKESPEARE_SEQUENCE_LENGTH
+    return _source(built, T.CHAR_IDS, (t,), x_dtype=np.int64, target_shape=(t,),
+                   vocab_size=T.CHAR_IDS)
+
+
+class TffStackOverflowParams(Params):
+    """``tff_stackoverflow``: vocabulary, sentence length, sentences a user."""
+
+    # words kept (ids 1..V; V+1 OOV, V+2 BOS, V+3 EOS, 0 PAD): TFF's baseline 10,000
+    vocab_size: int = Field(10_000, ge=1, le=INT32_MAX)
+    # tokens a sample (TFF's baseline: 20)
+    sequence_length: int = Field(20, ge=1, le=4096)
+    # a user's first sentences kept (train first); None: all (pfl-research's benchmark: 64)
+    max_client_samples: int | None = Field(None, ge=2, le=INT32_MAX)
+
+
+def tff_stackoverflow_clients(*, seed: int, data_root: str | None = None, num_clients: int,
+                              vocab_size: int, sequence_length: int,
+                              max_client_samples: int | None) -> ClientSource:
+    """TFF StackOverflow's first K users (:func:`mpifl.data.tff.stackoverflow`)."""
+    built = T.stackoverflow(_tff_folder("tff_stackoverflow", data_root), num_clients, vocab_size,
+                            sequence_length, max_client_samples)
+    ids = built[4]
+    return _source(built, ids, (sequence_length,), x_dtype=np.int64,
+                   target_shape=(sequence_length,), vocab_size=ids)
+
+
+class TffCifar100Params(Params):
+    """``tff_cifar100``: labels and normalisation."""
+
+    # "fine": the 100 labels; "coarse": the 20 superclasses
+    label: Literal["fine", "coarse"] = "fine"
+    # "scale": pixels / 255; "per_image": each image to mean 0, std 1 (TF's
+    # per_image_standardization)
+    normalise: Literal["scale", "per_image"] = "scale"
+
+
+def tff_cifar100_clients(*, seed: int, data_root: str | None = None, num_clients: int,
+                         label: str, normalise: str) -> ClientSource:
+    """TFF FedCIFAR100's first K clients (500 train, then 100 test; :func:`mpifl.data.tff.
+    cifar100`)."""
+    built = T.cifar100(_tff_folder("tff_cifar100", data_root), num_clients, label, normalise)
+    return _source(built, 100 if label == "fine" else 20, (3, 32, 32))
+
+
+for _name, _lazy, _params, _tags in (
+        ("tff_emnist", tff_emnist_clients, NoParams, (LABELS, CLIENTS)),
+        ("tff_shakespeare", tff_shakespeare_clients, NoParams, (CLIENTS,)),
+        ("tff_stackoverflow", tff_stackoverflow_clients, TffStackOverflowParams, (CLIENTS,)),
+        ("tff_cifar100", tff_cifar100_clients, TffCifar100Params, (LABELS, CLIENTS))):
+    _load = _eager(_lazy)
+    _load.__name__ = _load.__qualname__ = _name
+    register_dataset(_name, params=_params, provides=_tags, lazy=_lazy,
+                     shape=SHAPES[_name])(_load)
+
+
+# --------------------------------------------------------------------------- FLAIR
+
+class FlairParams(Params):
+    """``flair``: partitions read and label taxonomy."""
+
+    # the file's partitions whose users are clients, in this order
+    partitions: list[Literal["train", "val", "test"]] = Field(
+        default_factory=lambda: ["train", "val", "test"], min_length=1)
+    # False: the 17 coarse labels; True: the 1,628 fine-grained ones
+    fine_grained: bool = False
+
+
+@register_dataset("flair", params=FlairParams, provides=(CLIENTS,),
+                  shape=SHAPES["flair"])
+def flair(*, seed: int, data_root: str | None = None, num_clients: int,
+          partitions: list[str], fine_grained: bool) -> DataPool:
+    """FLAIR's first K users (:func:`mpifl.data.flair.flair`): float32 multi-hot targets (n, C),
+    so a regression-style pool (``loss = "mse"``); eager only (a lazy population's targets are
+    int64 today)."""
+    index, clients, sizes, convert, shape, classes = F.flair(
+        find_dataset_dir("flair", data_root), num_clients, partitions, fine_grained)
+    source = ClientSource(sizes, classes, shape, T.H5Source(index, clients, convert).fill)
+    return drawn_pool(source, np.float32, (classes,))
