@@ -12,6 +12,11 @@ import h5py
 import numpy as np
 import pytest
 
+from mpifl.core.errors import ConfigError
+from mpifl.data.leaf import ALL_LETTERS
+from mpifl.experiment.budget import check_budget, estimate
+from mpifl.experiment.config import load_config
+
 from .helpers import mpiexec
 from .test_published_readers import _h5, _leaf_dir, _leaf_file
 
@@ -21,7 +26,8 @@ WORDS = "how do i merge two sorted lists in python without a loop".split()
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory) -> Path:
-    """12 FEMNIST writers (LEAF's all_data JSON) and 12 StackOverflow users (TFF's h5)."""
+    """12 writers, roles, users or clients of LEAF's FEMNIST and Shakespeare (all_data JSON)
+    and TFF's StackOverflow and FedCIFAR100 (h5)."""
     root = tmp_path_factory.mktemp("published")
     rng = np.random.default_rng(0)
     writers = {f"f{k:04d}": (rng.random((16, 784)).round(3).tolist(),
@@ -31,6 +37,15 @@ def data_root(tmp_path_factory) -> Path:
                           for _ in range(rng.integers(6, 14))] for k in range(12)}
     _h5(root / "tff" / "stackoverflow_train.h5", {u: {"tokens": t} for u, t in users.items()})
     _h5(root / "tff" / "stackoverflow_test.h5", {u: {"tokens": t[:2]} for u, t in users.items()})
+    text = "".join(rng.choice(list(ALL_LETTERS[:40]), 2000))
+    roles = {f"ROLE_{k}": ([text[i:i + 80] for i in range(k, k + 300, 20)],
+                           [text[i + 80] for i in range(k, k + 300, 20)]) for k in range(12)}
+    _leaf_file(_leaf_dir(root, "shakespeare") / "all_data" / "all_data_0.json", roles)
+    images = {str(k): {"image": rng.integers(0, 256, (10, 32, 32, 3), dtype=np.uint8),
+                       "label": rng.integers(0, 100, 10), "coarse_label": rng.integers(0, 20, 10)}
+              for k in range(12)}
+    _h5(root / "tff" / "fed_cifar100_train.h5", images)
+    _h5(root / "tff" / "fed_cifar100_test.h5", {"0": images["0"]})
     return root
 
 
@@ -74,3 +89,33 @@ def test_tff_stackoverflow_job_on_tff_files_resumes_exactly(data_root, tmp_path)
                             "model.params.num_heads=2", "model.params.feedforward_size=32",
                             "model.params.num_layers=1"])
     assert np.isfinite(acc).all()
+
+
+def test_leaf_shakespeare_job_on_leaf_files_resumes_exactly(data_root, tmp_path):
+    acc = _resumes_exactly("leaf-shakespeare.toml", data_root, tmp_path,
+                           ["data.num_clients=12", "server.clients_per_round=4",
+                            "model.params.hidden_size=16"])
+    assert np.isfinite(acc).all()
+
+
+def test_fedcifar100_job_on_tff_files_resumes_exactly(data_root, tmp_path):
+    acc = _resumes_exactly("fedcifar100.toml", data_root, tmp_path,
+                           ["data.num_clients=12", "server.clients_per_round=4",
+                            "model.params.width=8"])
+    assert np.isfinite(acc).all()
+
+
+def test_the_budget_sizes_the_benchmarks_before_loading(tmp_path):
+    """StackOverflow's 342,477 users held eagerly would not fit a node: refused in one line
+    before anything loads; lazily they cost their counts and one window."""
+    cfg = load_config(ROOT / "jobs" / "tff-stackoverflow.toml")
+    lazy = estimate(cfg, ranks=3, world=3)
+    eager = estimate(cfg.model_copy(update={"data": cfg.data.model_copy(update={"lazy": False})}),
+                     ranks=3, world=3)
+    assert eager.total > 10 * lazy.total and eager.total > 3 * 40e9  # ~43 GB a rank
+    with pytest.raises(ConfigError, match="data.dataset = tff_stackoverflow: the "
+                                          "tff_stackoverflow data set holds"):
+        check_budget(cfg.model_copy(update={"data": cfg.data.model_copy(
+            update={"lazy": False})}), available=64e9, ranks=3, world=3)
+    femnist = estimate(load_config(ROOT / "jobs" / "leaf-femnist.toml"), ranks=1, world=1)
+    assert 0.5e9 < femnist.total < 8e9  # 805,263 images of 28x28 float32, LEAF's CNN
