@@ -4,7 +4,7 @@ PIP := $(PYTHON) -m pip
 FMNIST := /usr/share/datasets/fashion-mnist
 RANKS ?= 3
 
-.PHONY: install data slurm-deps demo test bench clean
+.PHONY: install data slurm-deps demo test bench gpu-check gpu-wheels clean
 
 # torch first, pinned: on these machines 2.13.0 is a local CPU build; an unpinned torch would
 # pull gigabytes of CUDA packages.
@@ -35,6 +35,14 @@ test: install data slurm-deps
 
 bench: install
 	mpifl bench aggregation --algorithms fedfv --m 10,60,200 --d 199210
+
+# On a CUDA node (no network needed): versions, pytest -m gpu, timed GPU runs; logs in $$OUT.
+# Beforehand, where pip works: make gpu-wheels (the node's missing wheels and data, in .whl/).
+gpu-check:
+	bash tools/gpu_check.sh
+
+gpu-wheels:
+	bash tools/gpu_wheels.sh
 
 clean:
 	rm -rf runs .pytest_cache build *.egg-info

@@ -116,7 +116,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     good, damaged = read_many(files)
     if not good:  # nothing to show: the error line names them all
         raise DamagedResults(damaged)
-    rows = [summarise(res["path"], args.last, res=res) for res in good]
+    rows = [summarise(res["path"], args.last, res=res, target=args.target) for res in good]
     grouped = group_by_seed(rows)
     if args.json:
         def plain(table):  # the setting label instead of the whole config; fractions
@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print JSON instead of a table: accuracies, std, worst/best 5%% and "
                           "cf as fractions in [0, 1], as in the results files (the table: "
                           "percent and percentage points)")
+    rep.add_argument("--target", type=float, metavar="PCT",
+                     help="for runs on simulated time ([system]): the simulated hours until "
+                          "the mean accuracy first reached PCT percent")
     rep.set_defaults(func=cmd_report)
 
     rp = sub.add_parser("reproduce", help="run the papers' reproduction suites (jobs/repro) "
@@ -446,9 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=cmd_export)
 
     pl = sub.add_parser("plot", help="figures of runs (PNG; pip install 'mpifl[plot]')")
-    pl.add_argument("plot", choices=["curves", "clients"],
+    pl.add_argument("plot", choices=["curves", "clients", "time"],
                     help="curves: mean, worst-5%% accuracy and std over rounds (mean ± std band "
-                         "over seeds); clients: each client's final accuracy, per algorithm")
+                         "over seeds); clients: each client's final accuracy, per algorithm; "
+                         "time: accuracy against simulated hours (runs with [system])")
     pl.add_argument("runs", nargs="+", help="results files (.h5), or one sweep folder")
     pl.add_argument("--out", required=True, help="PNG file to write")
     pl.set_defaults(func=cmd_plot)

@@ -79,6 +79,15 @@ class Needs:
         shards: None when the rule does not run on a sharded server, else its :class:`Shards`.
         shards_note: why not, when ``shards`` is None (shown in the config error and in
             docs/ALGORITHMS.md).
+        asynchronous: the rule aggregates clients as they finish, on simulated time
+            (:class:`mpifl.runtime.asynchronous.AsyncServer`: a "round" is one server step of
+            ``buffer_size`` updates, with ``concurrency`` clients training at once); its
+            instances have int attributes ``buffer_size`` (B >= 1) and ``concurrency``
+            (C >= B), and ``RoundUpdates.stats["staleness"]`` (m,) gives each update's
+            staleness (server steps since the model it started from).
+        current_updates: asynchronous rules only: ``RoundUpdates.updates`` are the clients'
+            models against the current global model, ``w - w_k`` (FedAsync's mixing), instead
+            of against the model each started from, ``w_start_k - w_k`` (FedBuff).
     """
 
     num_clients: bool = False
@@ -89,15 +98,24 @@ class Needs:
     meta_step: bool = False
     shards: Shards | None = None
     shards_note: str = "not adapted to a sharded server"
+    asynchronous: bool = False
+    current_updates: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_clients", "num_groups", "all_clients", "losses", "meta_step"):
+        for name in ("num_clients", "num_groups", "all_clients", "losses", "meta_step",
+                     "asynchronous", "current_updates"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Needs.{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.trainer, str) and self.trainer):
             raise TypeError(f"Needs.trainer must be a trainer name, got {self.trainer!r}")
         if self.shards is not None and not isinstance(self.shards, Shards):
             raise TypeError(f"Needs.shards must be None or a Shards record, got {self.shards!r}")
+        if self.current_updates and not self.asynchronous:
+            raise TypeError("Needs.current_updates is for asynchronous rules only "
+                            "(set asynchronous=True)")
+        if self.asynchronous and self.shards is not None:
+            raise TypeError("Needs.asynchronous: an asynchronous rule runs on one server "
+                            "(shards must be None)")
 
     @property
     def sharded_state(self) -> tuple[str, ...]:

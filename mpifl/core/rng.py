@@ -18,6 +18,8 @@ sampled evaluation         ``[seed, round, EVAL_TAG]``                 runtime.s
 random layers (dropout)    ``[seed, round, k, step, LAYER_TAG(, t)]``  clients.loop
 FedFV's random order       ``[seed, round]`` (no tag)                  aggregators.fedfv
 bench simulate's clients   ``[seed, round, BENCH_SIMULATE_TAG]``       bench.simulate
+device tiers and speeds    ``[seed, SYSTEM_TAG]``                      clients.system
+availability phases        ``[seed, SYSTEM_TAG, 1]``                   clients.system
 =========================  ==========================================  ==========================
 
 The values are part of the results: changing one changes every run that uses the stream.
@@ -39,3 +41,7 @@ LAYER_TAG = 0x6D70666C
 #: run.eval_clients: the clients an evaluation after ``round`` rounds tests (a stream apart from
 #: selection's, so the option changes no trained model).
 EVAL_TAG = 0x6D706576
+#: [system]: every client's device tier, speed and bandwidth multipliers (``[seed, SYSTEM_TAG]``)
+#: and, with ``availability = "periodic"``, its on/off phase (``[seed, SYSTEM_TAG, 1]``), drawn
+#: once for all K clients, so they depend on neither the round nor the number of ranks.
+SYSTEM_TAG = 0x6D706673

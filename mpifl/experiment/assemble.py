@@ -19,6 +19,7 @@ from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
 from mpifl.clients.faults import NaNClients
 from mpifl.clients.meta import MetaStep
+from mpifl.clients.system import SystemModel
 from mpifl.aggregators.server_opt import ServerOptimizer, ServerOptimizerParams
 from mpifl.core.errors import ConfigError, MpiflError, OutputError
 from mpifl.core.layout import ParamLayout
@@ -31,6 +32,7 @@ from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_l
                           model_traits)
 from mpifl.models.losses import check_loss
 from mpifl.models.zoo import batchnorm_coordinates, model_params
+from mpifl.runtime.clock import Clock
 from mpifl.runtime.backends import num_groups
 from mpifl.runtime.client_state import LocalCoordinates
 from mpifl.runtime.comm import local_rank
@@ -274,6 +276,28 @@ def _local_coordinates(parts: Parts, ckpt) -> LocalCoordinates | None:
             raise OutputError(f"{ckpt.path}: the checkpoint has no local BatchNorm rows")
         local.load_state_dict(ckpt.client_state)
     return local
+
+
+def make_clock(plan: Plan, parts: Parts, ckpt=None) -> Clock | None:
+    """Rank 0's simulated time (``[system] enabled``), restored from the checkpoint; None when
+    the run is not on simulated time.
+
+    Raises:
+        OutputError: the checkpoint lacks the clock's state (it was written without it).
+    """
+    s = plan.system
+    if s is None:
+        return None
+    system = SystemModel(s, plan.seed, parts.fed.num_clients, model_bytes=4 * parts.layout.d)
+    clock = Clock(system, parts.fed.num_train, plan.epochs, plan.seed, s.deadline_s,
+                  s.over_commit)
+    if ckpt is not None:
+        try:
+            clock.load_state_dict({k.split("_", 1)[1]: v for k, v in ckpt.server_state.items()
+                                   if k.startswith("clock_")})
+        except ValueError as exc:
+            raise OutputError(f"{ckpt.path}: {exc}") from None
+    return clock
 
 
 def _server_optimizer(params: ServerOptimizerParams, ckpt) -> ServerOptimizer | None:

@@ -31,6 +31,7 @@ from mpifl import aggregators
 from mpifl.clients import TRAINERS
 from mpifl.core.errors import ConfigError
 from mpifl.core.params import Params
+from mpifl.clients.system import SystemParams
 from mpifl.core.plugins import PluginError, load_modules
 from mpifl.core.registry import closest
 from mpifl.data.compat import (IncompatibleData, check_combination, lazy_datasets, nest_params,
@@ -104,6 +105,9 @@ class RunConfig(_Section):
     # when set, else the cores this process may use divided among the ranks on its node. Stored
     # in the results (attribute "threads"); a run is bit-identical only on the same count
     threads: int = Field(0, ge=0, le=4096)
+    # exact GPU kernels (mpifl.runtime.determinism): deterministic algorithms, no TF32, no cuDNN
+    # autotuning; false trades bit-identical GPU runs for speed. CPU results are the same either way
+    deterministic: bool = True
     # evaluation after local adaptation: at every evaluation each client also trains the global
     # model for this many epochs of plain local SGD on its training split (client section's
     # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
@@ -242,6 +246,9 @@ class Config(_Section):
     client: ClientConfig = Field(default_factory=ClientConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    # simulated time: the clients' devices, availability and the round deadline
+    # (mpifl/clients/system.py, mpifl/runtime/clock.py); off by default
+    system: SystemParams = Field(default_factory=SystemParams)
 
     def rule_params(self) -> Params:
         """The selected rule's validated hyper-parameters (its ``Params``; defaults for a rule
@@ -470,7 +477,7 @@ def _load_plugins(table: Any, search_path: list[str]) -> None:
 RESUME_MUTABLE = {"run.rounds", "run.name", "run.checkpoint_every", "run.checkpoint_minutes",
                   "run.progress_every_s", "run.loggers",
                   "run.peer_timeout_s", "run.init_timeout_s", "run.setup_timeout_s",
-                  "run.threads",
+                  "run.threads", "run.deterministic",
                   "data.data_root",
                   "plugins.path",
                   "server.device", "server.shards", "client.memory_budget_mb"}

@@ -17,6 +17,7 @@ from mpifl import aggregators
 from mpifl.aggregators.needs import Needs
 from mpifl.aggregators.server_opt import ServerOptimizerParams
 from mpifl.clients import TRAINERS
+from mpifl.clients.system import SystemParams
 from mpifl.experiment.budget import check_budget
 from mpifl.experiment.config import Config, DataConfig, ModelConfig
 from mpifl.runtime.plan import RoundPlan
@@ -83,6 +84,8 @@ class Plan:
         threads: ``run.threads``, each rank's threads (0: decided at set-up,
             :mod:`mpifl.runtime.threads`).
         loggers: ``run.loggers``; config: the config as a plain dict, for them.
+        system: the clients' devices and the round deadline (the ``[system]`` table) when the
+            run is on simulated time, else None; epochs: ``client.epochs`` (a client's work).
     """
 
     rounds: RoundPlan
@@ -104,6 +107,8 @@ class Plan:
     meta: MetaPlan | None = None
     loggers: tuple[str, ...] = ()
     config: dict[str, Any] = field(default_factory=dict)
+    system: SystemParams | None = None
+    epochs: int = 1
 
 
 def make_plan(cfg: Config) -> Plan:
@@ -137,7 +142,8 @@ def make_plan(cfg: Config) -> Plan:
                if run.adapt_epochs else None),
         meta=(MetaPlan(cfg.fedmeta.meta_size, cfg.fedmeta.eta_meta, cfg.fedmeta.meta_sampling)
               if rule.needs.meta_step or server.meta else None),
-        loggers=tuple(run.loggers), config=json.loads(text))
+        loggers=tuple(run.loggers), config=json.loads(text),
+        system=cfg.system if cfg.system.enabled else None, epochs=client.epochs)
 
 
 def _checkpoints(run) -> tuple[int, float]:

@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -29,15 +30,19 @@ from mpifl.aggregators.shards import ShardGroup, shard_bounds
 from mpifl.core.errors import EXIT_BAD_INPUT, ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
 from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
-                                       make_trainer, server_parts, trainer_columns)
+                                       make_clock, make_trainer, server_parts, trainer_columns)
 from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
 from mpifl.experiment.plan import Plan, make_plan
 from mpifl.runtime.backends import LocalClients, RemoteClients
 from mpifl.runtime.agreement import Outcome, SetUp, one_line
 from mpifl.runtime.comm import launched_size, wait_idle, world
+from mpifl.runtime.determinism import (Determinism, apply_determinism, named_nondeterminism,
+                                       nondeterministic_line)
 from mpifl.runtime.installs import mismatch, this_install, venv_warning
 from mpifl.runtime.protocol import MPITransport
 from mpifl.runtime.loggers import LoggerSet
+from mpifl.clients.system import SystemModel
+from mpifl.runtime.asynchronous import AsyncServer
 from mpifl.runtime.server import Server
 from mpifl.runtime.shard_comm import MPIShardCollectives
 from mpifl.runtime.sharding import ShardServer
@@ -230,9 +235,11 @@ def run_experiment(load: Callable[[], tuple[Config | None, Path]], *, mode: str 
     _check_installs(setup)
     cfg, out = setup.settle("plugins and config", loaded)
     lock = RunLock(out)
+    settings = Determinism.now()  # run.deterministic changes them for this run only
     try:
         return _run(setup, lock, cfg, out, mode, rounds, progress, stop)
     finally:
+        settings.restore()
         lock.release()
 
 
@@ -256,13 +263,16 @@ def _check_installs(setup: SetUp) -> None:
 
 
 def _set_threads(setup: SetUp, plan: Plan) -> list[int] | None:
-    """Decide and set every rank's threads (:mod:`mpifl.runtime.threads`) before anything
-    heavy runs; rank 0 logs them in one line. Each rank's count on rank 0, None elsewhere."""
+    """Decide and set every rank's threads (:mod:`mpifl.runtime.threads`) and exact or fast
+    GPU kernels (``run.deterministic``, :mod:`mpifl.runtime.determinism`) before anything
+    heavy runs; rank 0 logs the threads in one line. Each rank's count on rank 0, None
+    elsewhere."""
     on_node, sharing = setup.together("ranks on this node", node_ranks)
     with setup.stage("threads"):
         threads = decide_threads(plan.threads, os.environ.get("OMP_NUM_THREADS"),
                                  usable_cores(), on_node, sharing)
         apply_threads(threads.count)
+        apply_determinism(plan.config["run"]["deterministic"])
     chosen = setup.gather("threads", (torch.get_num_threads(), threads.why))  # as set
     if chosen is None:
         return None
@@ -296,11 +306,11 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
     threads = _set_threads(setup, plan)
     with setup.stage("device"):
         device = device_for(plan, rank)
-    with setup.stage("data and model"):
+    with setup.stage("data and model"), named_nondeterminism():  # checks run the model
         parts = build_parts(plan)
-    with setup.stage("trainer"):
+    with setup.stage("trainer"), named_nondeterminism():
         trainer = make_trainer(plan, parts, device) if trains else None
-    with setup.stage("adapter"):
+    with setup.stage("adapter"), named_nondeterminism():
         adapter = make_adapter(plan, parts, device, trainer) if trains else None
     hosts = setup.gather("hosts", socket.gethostname())
     if rank == 0:
@@ -314,9 +324,11 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
         try:
             return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress,
                                  threads=threads)
-        except MpiflError:
-            raise
         except Exception as exc:  # noqa: BLE001 -- one line; the traceback with -v
+            if (line := nondeterministic_line(exc)) is not None:  # a plugin's failure too
+                raise MpiflError(line) from exc
+            if isinstance(exc, MpiflError):
+                raise
             log.debug("run failed", exc_info=True)
             raise MpiflError(one_line(exc)) from None
     shard = _shard_setup(setup, plan, parts, start)
@@ -394,14 +406,15 @@ def _end_all_ranks(transport: MPITransport, rank: int, exc: BaseException,
     status is 4 (EXIT_PEER_LOST) instead of 2 when a rank stopped answering: launching again
     may well work.
     """
-    line = one_line(exc)
+    named = nondeterministic_line(exc)  # run.deterministic's refusal, named as such
+    line = named or one_line(exc)
     if not isinstance(exc, (MpiflError, KeyboardInterrupt)):
         log.debug("rank %d failed", rank, exc_info=True)
     in_shards = shard is not None and shard.busy  # the other shards wait in a collective
     code = exc.exit_status if isinstance(exc, MpiflError) else EXIT_FAILED
     if rank == 0 and not transport.busy and not in_shards and isinstance(exc, Exception):
         transport.stop.request(code)
-        if not isinstance(exc, MpiflError):
+        if named or not isinstance(exc, MpiflError):
             raise MpiflError(line) from None
         return
     print(f"mpifl: error: rank {rank}: {line}; ending every rank of the job", file=sys.stderr,
@@ -429,13 +442,20 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
     path, why = own.trainer_path
     writer.attrs["trainer"] = path  # what client.trainer = "auto" chose, for the record
     writer.attrs["threads"] = np.asarray(threads, np.int64)  # each rank's, for the record
+    writer.attrs["deterministic"] = np.bool_(plan.config["run"]["deterministic"])  # GPU kernels
     log.info("local training: %s trainer (%s), loss %s", path, why, parts.loss.name)
     loggers = LoggerSet(list(plan.loggers), out, plan.config, first)
+    asynchronous = plan.needs.asynchronous  # its own simulated time (AsyncServer)
+    clock = None if asynchronous else make_clock(plan, parts, start.ckpt)
+    if clock is not None:
+        writer.system = (clock.tables, clock.system.tier_names)
     try:
-        server = Server(plan.rounds, parts.fed, parts.layout, clients, own.aggregator, writer,
-                        device, checkpoints=checkpoint.folder_for(out), stop=stop,
-                        world_size=size, meta=own.meta, loggers=loggers, shard=shard,
-                        local=own.local, optimizer=own.optimizer)
+        make = (_async_server(plan, parts, start, writer) if asynchronous
+                else partial(Server, clock=clock))
+        server = make(plan.rounds, parts.fed, parts.layout, clients, own.aggregator, writer,
+                      device, checkpoints=checkpoint.folder_for(out), stop=stop,
+                      world_size=size, meta=own.meta, loggers=loggers, shard=shard,
+                      local=own.local, optimizer=own.optimizer)
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]
@@ -452,6 +472,40 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
         loggers.close()
     log.info("results written to %s%s", out, "" if finished else " (stopped early; resume to continue)")
     return code
+
+
+def _async_server(plan: Plan, parts, start: Start, writer: ResultsWriter
+                  ) -> Callable[..., AsyncServer]:
+    """Builds an asynchronous rule's server (:class:`mpifl.runtime.asynchronous.AsyncServer`)
+    from Server's arguments: on the ``[system]`` model when enabled (else equal speeds), its
+    state restored from the checkpoint, its tables for the results file's /system.
+
+    Raises:
+        ConfigError: ``system.deadline_s`` or ``system.over_commit`` set (synchronous rounds
+            only).
+        OutputError: the checkpoint lacks the asynchronous server's state.
+    """
+    s, system = plan.system, None
+    if s is not None:
+        if s.deadline_s is not None or s.over_commit:
+            raise ConfigError(f"system.deadline_s, system.over_commit: {plan.rule} is "
+                              "asynchronous, with no round to time out or over-commit "
+                              f"({plan.rule}.concurrency sets how many clients train at once); "
+                              "leave both unset")
+        system = SystemModel(s, plan.seed, parts.fed.num_clients,
+                             model_bytes=4 * parts.layout.d)
+
+    def make(*args, **kwargs) -> AsyncServer:
+        server = AsyncServer(*args, system=system, epochs=plan.epochs, **kwargs)
+        if start.ckpt is not None:
+            try:
+                server.load_state_dict(start.ckpt.server_state)
+            except ValueError as exc:
+                raise OutputError(f"{start.ckpt.path}: {exc}") from None
+        writer.system = (server.tables, server.tier_names)
+        return server
+
+    return make
 
 
 def _client_table(fed) -> dict[str, np.ndarray]:

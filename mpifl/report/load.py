@@ -456,6 +456,15 @@ def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying:
         data[clean] = (("run", *dims), values[None])
     for name, values in res.get("clients", {}).items():
         data[name] = (("run", *_client_dims(name, values.ndim)), values[None])
+    system = res.get("system", {})
+    for name, values in system.items():  # simulated time: sim_time (round), tier (client), ...
+        if name == "tier_names":
+            continue
+        part, column = name.split("/")
+        key = column if part == "clients" or column == "sim_time" else f"sim_{column}"
+        data[key] = (("run", "round" if part == "rounds" else "client"), values[None])
+    if system.get("tier_names"):
+        coords["tier_name"] = ("tier_index", system["tier_names"])
     for d, n in res.get("_dims", {}).items():  # the lazy arrays' dimensions (added later)
         coords[d] = np.arange(n)
     if res.get("local_entries"):  # FedBN's rows: columns named by entry and element

@@ -24,11 +24,13 @@ LOSS_CURVES = [("loss_mean", "mean client loss", 1.0),
 
 
 def plot(kind: str, runs: list[str], out: Path) -> Path:
-    """Draw ``kind`` (``curves`` or ``clients``) for ``runs`` (results files or one sweep
-    folder) into the PNG ``out``.
+    """Draw ``kind`` (``curves``, ``clients`` or ``time``: accuracy against simulated hours,
+    for runs on simulated time) for ``runs`` (results files or one sweep folder) into the PNG
+    ``out``.
 
     Raises:
-        OutputError: matplotlib missing, unreadable runs, or ``out`` not writable.
+        OutputError: matplotlib missing, unreadable runs, ``time`` for runs without simulated
+            time, or ``out`` not writable.
     """
     try:
         import matplotlib
@@ -38,7 +40,8 @@ def plot(kind: str, runs: list[str], out: Path) -> Path:
     except ImportError:
         raise OutputError("mpifl plot needs matplotlib: pip install 'mpifl[plot]'") from None
     ds = load_noted(runs[0] if len(runs) == 1 and Path(runs[0]).is_dir() else runs)
-    fig = (_curves if kind == "curves" else _clients)(plt, ds)
+    draw = {"curves": _curves, "clients": _clients, "time": _time}[kind]
+    fig = draw(plt, ds)
     try:
         fig.savefig(out, dpi=110)
     except OSError as exc:
@@ -77,6 +80,29 @@ def _curves(plt, ds):
                 ax.fill_between(rounds, mean - sd, mean + sd, color=line.get_color(), alpha=0.2)
     for ax, (_, title, _) in zip(axes, curves):
         ax.set(xlabel="round", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def _time(plt, ds):
+    """Mean and worst-5% accuracy against simulated hours, one line a run (runs on the same
+    clock take different times to the same round, so seeds are not pooled)."""
+    if "sim_time" not in ds:
+        raise OutputError("mpifl plot time: the runs have no simulated time (run them with "
+                          "[system] enabled = true)")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), constrained_layout=True)
+    done = ds["eval_round"].values
+    for i in range(ds.sizes["run"]):
+        sim = ds["sim_time"].values[i]
+        keep = (done >= 1) & (done <= len(sim))
+        hours = sim[np.clip(done[keep] - 1, 0, None)] / 3600
+        label = f"{ds['algorithm'].values[i]} ({ds['run'].values[i]})"
+        for ax, name in zip(axes, ("mean", "worst5")):
+            ax.plot(hours, 100 * ds[name].values[i][keep], marker="o", markersize=2.5,
+                    label=label)
+    for ax, title in zip(axes, ("mean accuracy (%)", "worst-5% accuracy (%)")):
+        ax.set(xlabel="simulated hours", title=title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return fig

@@ -49,7 +49,7 @@ def run_status(path: str | Path, res: dict[str, Any]) -> str:
 
 
 def summarise(path: str | Path, last: int = 1,
-              res: dict[str, Any] | None = None) -> dict[str, Any]:
+              res: dict[str, Any] | None = None, target: float | None = None) -> dict[str, Any]:
     """A run's metrics averaged over its last ``last`` evaluations, as plain numbers
     (accuracies and violations in percent or percentage points; DP/EO/AP as fractions; a
     regression run's ``loss_mean``, ``loss_std``, ``loss_worst5`` (the highest 5% of the
@@ -57,7 +57,10 @@ def summarise(path: str | Path, last: int = 1,
 
     Averaging a few evaluations steadies the comparison: between evaluations a non-IID run's
     mean accuracy swings by several points. ``res``: the file's :func:`read_results`, when
-    already read (e.g. by :func:`mpifl.store.results.read_many`).
+    already read (e.g. by :func:`mpifl.store.results.read_many`). A run on simulated time
+    also gives its simulated hours, the share of late updates, its mean accuracy per device
+    tier (``tier:<name>``, percent) and, with ``target`` (mean accuracy in percent), the
+    simulated hours until an evaluation first reached it (:func:`system_rows`).
 
     A run that is not complete and has no evaluation yet gives its progress instead
     (:func:`progress_row`: ``evals`` 0, no metric).
@@ -112,8 +115,35 @@ def summarise(path: str | Path, last: int = 1,
         row.pop("fair_angle", None)
         row.pop("cf", None)
         return row
+    if res.get("system"):
+        row.update(system_rows(res, acc, target))
     if acc.size <= PER_CLIENT_MAX and not row["eval_clients"]:
         row["client_accuracy"] = [100 * float(a) for a in acc]
+    return row
+
+
+def system_rows(res: dict[str, Any], acc: np.ndarray,
+                target: float | None = None) -> dict[str, Any]:
+    """A run on simulated time (its /system group): ``sim_hours`` at its last evaluation,
+    ``late`` (% of the selected clients' updates not aggregated), ``tier:<name>`` (mean
+    accuracy in percent of the tier's clients, from ``acc`` (K,) fractions), and with
+    ``target`` (percent) ``hours_to`` (simulated hours until the mean accuracy first reached
+    it; NaN when it never did)."""
+    system, ev = res["system"], res["eval"]
+    sim = np.asarray(system["rounds/sim_time"], dtype=np.float64)
+    at = lambda rounds_done: float(sim[rounds_done - 1]) / 3600 if rounds_done else 0.0  # noqa: E731
+    selected = float(np.sum(system["rounds/selected"]))
+    row: dict[str, Any] = {"sim_hours": at(int(ev["round"][-1])),
+                           "late": 100 * float(np.sum(system["rounds/late"])) / max(selected, 1)}
+    tiers = np.asarray(system["clients/tier"])
+    for i, name in enumerate(system.get("tier_names", [])):
+        mine = acc[tiers == i]
+        row[f"tier:{name}"] = 100 * float(np.nanmean(mine)) if np.isfinite(mine).any() \
+            else float("nan")
+    if target is not None:
+        reached = np.flatnonzero(100 * np.asarray(ev["mean"]) >= target)
+        row["hours_to"] = at(int(ev["round"][reached[0]])) if len(reached) else float("nan")
+        row["target"] = float(target)
     return row
 
 
@@ -203,6 +233,9 @@ def as_fractions(row: dict[str, Any]) -> dict[str, Any]:
                 out[name] = out[name] / 100.0
     if isinstance(out.get("client_accuracy"), list):
         out["client_accuracy"] = [a / 100.0 for a in out["client_accuracy"]]
+    for name in ("late", "target", *(k for k in row if k.startswith("tier:"))):
+        if isinstance(out.get(name), (int, float)):
+            out[name] = out[name] / 100.0
     return {k: _finite(v) for k, v in out.items()}
 
 
@@ -217,7 +250,9 @@ def _finite(value: Any) -> Any:
 #: What --json's numbers are in (printed beside them).
 JSON_UNITS = ("mean, std, worst5, best5, personal_*, adapted_*, cf, client_accuracy (and their "
               "_sd): fractions in [0, 1]; dp, eo, ap: fractions; fair_angle: radians; loss_*: "
-              "the [model] loss's units; null: not a number (no test data, a diverged run)")
+              "the [model] loss's units; tier:<name>, late, target (simulated time): fractions; "
+              "sim_hours, hours_to: simulated hours; null: not a number (no test data, a "
+              "diverged run)")
 
 
 def _common_name(members: list[dict[str, Any]]) -> str:
@@ -248,6 +283,8 @@ _ROWS = [
     ("loss_std", "std of loss", "{:.4g}"), ("loss_worst5", "worst 5% loss", "{:.5g}"),
     ("loss_best5", "best 5% loss", "{:.5g}"), ("dp", "DP violation", "{:.4f}"),
     ("eo", "EO violation", "{:.4f}"), ("ap", "AP violation", "{:.4f}"),
+    ("sim_hours", "simulated hours", "{:.2f}"), ("late", "late updates (%)", "{:.1f}"),
+    ("hours_to", "hours to target", "{:.2f}"),
 ]
 
 
@@ -272,6 +309,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     extra = [("seeds", "seeds", "{}")] if any("seeds" in r for r in rows) else []
     lines = settings + [[label] + [cell(r, key, fmt) for r in rows]
                         for key, label, fmt in _ROWS + extra if any(key in r for r in rows)]
+    tiers = list(dict.fromkeys(key for r in rows for key in r if key.startswith("tier:")))
+    for key in tiers:  # a run on simulated time: accuracy per device tier
+        lines.append([f"{key[5:]} tier acc (%)"] + [cell(r, key, "{:.2f}") for r in rows])
     k = max(len(r.get("client_accuracy", [])) for r in rows)
     for i in range(k):
         lines.append([f"client {i} (%)"] + [
@@ -285,6 +325,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if not r.get("evals", 1):
             out.append(f"({r['run']}: {r['status']}, no evaluation yet: round {r['round']} of "
                        f"{r.get('rounds', '?')} done, last round written {r['last_round_at']})")
+    targets = sorted({r["target"] for r in rows if "target" in r})
+    if targets:
+        out.append(f"(hours to target: simulated hours until the mean accuracy first reached "
+                   f"{'/'.join(f'{t:g}' for t in targets)}%)")
     evals = sorted({r["evals"] for r in rows if r.get("evals")})
     if evals and evals != [1]:  # what was used: a run with fewer evaluations uses them all
         out.append(f"(metrics: mean of each run's last {'/'.join(map(str, evals))} evaluations)")

@@ -109,18 +109,22 @@ class Server:
         shard: on a sharded server (``server.shards > 1``), rank 0's
             :class:`mpifl.runtime.sharding.ShardServer` (shard 0): it aggregates with the other
             shards, and checkpoints ask every shard for its file first.
+        clock: simulated time (:class:`mpifl.runtime.clock.Clock`, ``[system] enabled``): it
+            selects among the available clients and keeps those that finish in time; None:
+            every selected client finishes, instantly.
     """
 
     def __init__(self, plan: RoundPlan, fed, layout, clients, aggregator, writer,
                  device: torch.device, checkpoints: Path | None = None, stop=None,
                  world_size: int = 1, meta=None, loggers=None, shard=None, local=None,
-                 optimizer=None):
+                 optimizer=None, clock=None):
         self.plan, self.fed, self.layout = plan, fed, layout
         self.clients, self.aggregator, self.writer = clients, aggregator, writer
         self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
         self.layers = [layer.slice for layer in layout.layers]
         self.meta, self.loggers, self.shard, self.local = meta, loggers, shard, local
-        self.optimizer = optimizer
+        self.optimizer, self.clock = optimizer, clock
+        self._time = None  # the round on the clock, counted once the round is kept
         # a regression loss: no accuracy; the clients' test losses are summarised instead
         self.regression = getattr(writer.history, "loss_metrics", False)
         self.lines = ProgressLog(plan.rounds, 0, 0.0, plan=plan)  # run() makes the real one
@@ -184,6 +188,8 @@ class Server:
         plan, lines, rounds = self.plan, self.lines, self.plan.rounds
         lines.round_begins(rnd)
         moved, row = self._round(rnd, w)
+        if row is not None and self._time is not None:
+            self.clock.advance(self._time)
         if row is None:  # stopped at its training: the round is dropped
             if self._saved != rnd:
                 self._checkpoint_now(rnd, w)
@@ -302,12 +308,19 @@ class Server:
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
                           self.plan.config_json, self.world_size, self.checkpoints, bounds,
                           client_state=self.local.state_dict() if self.local else {},
-                          server_state=({f"optimizer_{k}": v for k, v in
-                                         self.optimizer.state_dict().items()}
-                                        if self.optimizer else {}))
+                          server_state=self._server_state())
         save(self.checkpoints, ckpt)
         self._saved = rounds_done
         return True
+
+    def _server_state(self) -> dict[str, np.ndarray]:
+        """The server optimizer's and the clock's state, for the checkpoint."""
+        state = {}
+        if self.optimizer is not None:
+            state.update({f"optimizer_{k}": v for k, v in self.optimizer.state_dict().items()})
+        if self.clock is not None:
+            state.update({f"clock_{k}": v for k, v in self.clock.state_dict().items()})
+        return state
 
     def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
         """Round ``rnd``'s training and aggregation: the parameters after it and its /rounds
@@ -315,10 +328,9 @@ class Server:
         training, when nothing of it is kept yet)."""
         plan = self.plan
         lr = plan.lr_at(rnd)
-        selected = select_clients(plan.seed, rnd, self.fed.num_train, plan.clients_per_round,
-                                  plan.sampling)
-        ids = selected[~dropped_out(plan.seed, rnd, selected, plan.dropout)]
-        row = {"round": rnd, "lr": lr, "dropped": len(selected) - len(ids), "rejected": 0,
+        selected, pool = self._select(rnd)
+        ids = pool[~dropped_out(plan.seed, rnd, pool, plan.dropout)]
+        row = {"round": rnd, "lr": lr, "dropped": len(pool) - len(ids), "rejected": 0,
                "num_clients": 0, "train_loss": float("nan"), "conflicts_model": 0,
                "conflicts_layer": np.zeros(len(self.layers), dtype=np.int64),
                "bytes_moved": 0, "time_broadcast": 0.0, "time_train": 0.0, "time_gather": 0.0,
@@ -382,6 +394,18 @@ class Server:
                    conflicts_layer=count_layer_conflicts(updates, step, self.layers),
                    time_aggregate=time.perf_counter() - t0)
         return w, row
+
+    def _select(self, rnd: int) -> tuple[np.ndarray, np.ndarray]:
+        """Round ``rnd``'s selected clients and those of them that can be trained: all of
+        them, or on simulated time the ones that finish in time (:class:`mpifl.runtime.clock.
+        Clock`)."""
+        plan = self.plan
+        if self.clock is None:
+            selected = select_clients(plan.seed, rnd, self.fed.num_train,
+                                      plan.clients_per_round, plan.sampling)
+            return selected, selected
+        self._time = self.clock.round(rnd, plan.clients_per_round, plan.sampling)
+        return self._time.selected, self._time.kept
 
     def _server_step(self, step: torch.Tensor) -> torch.Tensor:
         """The step the model moves by: the rule's, through the server optimizer if any (the

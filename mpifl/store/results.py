@@ -16,6 +16,9 @@ Layout (also in the README)::
                                     end of the run (model.batchnorm "local" or "local_stats";
                                     attrs names, column_start, column_stop, offset: which
                                     parameter each column block is and where it sits in w)
+    /system/rounds/<column>  (R,)   a run on simulated time ([system] enabled): sim_time,
+                                    selected, finished, late (SYSTEM_COLUMNS)
+    /system/clients/<column> (K,)   tier, participations, finished, late, busy_s
     /eval/round              (E,)   int, rounds completed at that evaluation
     /eval/client_accuracy    (E, K) float64, fraction in [0, 1], on each client's local test split
     /eval/client_loss        (E, K) float64, mean of [model] loss (cross-entropy by default)
@@ -63,6 +66,7 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -137,6 +141,22 @@ SELECTION_COLUMNS: dict[str, tuple[str, str, int]] = {
     "selected": ("i8", "client ids selected this round, ascending (-1: not recorded)", -1),
     "aggregated": ("bool", "the selected client's update was aggregated (not dropped, not "
                            "rejected)", False),
+}
+
+#: /system datasets of a run on simulated time (``[system] enabled``; absent otherwise): per
+#: round and per client, what the virtual clock (:mod:`mpifl.runtime.clock`) recorded.
+SYSTEM_COLUMNS: dict[str, str] = {
+    "rounds/sim_time": "simulated seconds since the run began, at the end of the round",
+    "rounds/selected": "clients selected (available at the round's start)",
+    "rounds/finished": "selected clients that finished in time and were aggregated",
+    "rounds/late": "selected clients past the deadline, beyond the first m, or gone offline",
+    "rounds/staleness": "asynchronous rules: mean staleness (server steps) of the updates "
+                        "aggregated at the step (NaN: none)",
+    "clients/tier": "device tier index per client (names: attribute tier_names)",
+    "clients/participations": "rounds in which the client was selected",
+    "clients/finished": "rounds in which its update arrived in time",
+    "clients/late": "rounds in which it was selected but its update was not aggregated",
+    "clients/busy_s": "simulated seconds it spent on rounds (downloading, training, uploading)",
 }
 
 #: /clients datasets: per-client facts of the federated data, written once.
@@ -483,6 +503,8 @@ class ResultsWriter:
         self.clients = {k: np.asarray(v, dtype=np.int64) for k, v in (clients or {}).items()}
         self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
         self._local: LocalState | None = None
+        #: a run on simulated time: () -> {SYSTEM_COLUMNS name: array}, and the tier names
+        self.system: tuple[Callable[[], dict[str, np.ndarray]], list[str]] | None = None
         self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
         self._pending = self._eval_pending = False
         old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
@@ -520,6 +542,11 @@ class ResultsWriter:
         ev["cf"].attrs["unit"] = "fraction: max_k |acc_k - mean acc|"
         if self._local is not None:
             _write_local(f, self._local)
+        if self.system is not None:
+            tables, names = self.system
+            for name, data in tables().items():
+                create_dataset(f, f"system/{name}", data).attrs["unit"] = SYSTEM_COLUMNS[name]
+            f["system"].attrs["tier_names"] = np.array(names, dtype="S")
         if self._model is not None:
             w, layers = self._model
             g = f.create_group("model")
@@ -764,7 +791,9 @@ def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
 
     Returns:
         ``{"path", "attrs", "config", "rounds": {col: (R,) or (R, L) or (R, m)},
-        "eval": {name: array}, "clients": {name: array}}`` (``clients`` empty before schema 2),
+        "eval": {name: array}, "clients": {name: array}, "system": {SYSTEM_COLUMNS name:
+        array, "tier_names": [str]}}`` (``clients`` empty before schema 2, ``system`` empty for
+        a run not on simulated time),
         accuracies and their std as fractions whatever the file's schema version; with
         ``lazy``, also ``"close"``: a callable that closes the file.
 
@@ -802,6 +831,7 @@ def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
         for sub in ("group", "personal", "adapted", "loss"):
             ev.update({f"{sub}/{k}": get("eval", f"{sub}/{k}") for k in f["eval"].get(sub, {})})
         clients = {k: get("clients", k) for k in f.get("clients", {})}
+        system = _read_system(f)
         local_entries = _read_local(f)
         if lazy and not sealed:
             _check_lazy(path, {k: v for k, v in ev.items() if isinstance(v, LazyArray)})
@@ -834,9 +864,22 @@ def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
         handle.close()
         raise
     out = {"path": str(path), "attrs": attrs, "config": config, "rounds": rounds, "eval": ev,
-           "clients": clients, "local_entries": local_entries}
+           "clients": clients, "local_entries": local_entries, "system": system}
     if lazy:
         out["close"] = handle.close
+    return out
+
+
+def _read_system(f: h5py.File) -> dict[str, Any]:
+    """/system of a run on simulated time ({SYSTEM_COLUMNS name: array, "tier_names": [str]}),
+    empty for a run without it."""
+    if "system" not in f:
+        return {}
+    g = f["system"]
+    out: dict[str, Any] = {f"{part}/{k}": g[part][k][()] for part in ("rounds", "clients")
+                           for k in g.get(part, {})}
+    out["tier_names"] = [n.decode() if isinstance(n, bytes) else str(n)
+                         for n in g.attrs.get("tier_names", [])]
     return out
 
 

@@ -1,0 +1,177 @@
+"""Simulated time for synchronous rounds: rank 0's virtual clock over the clients' devices
+(:class:`mpifl.clients.system.SystemModel`).
+
+A round at simulated time t:
+
+1. **Who can be selected**: the clients available at t (``SystemModel.available``).
+2. **Who is selected**: ``ceil(m (1 + over_commit))`` of them (``server.over_commit`` of the
+   ``[system]`` table; ``sampling = "all"``: every available client), drawn as
+   :func:`mpifl.runtime.server.select_clients` draws, keyed by (seed, round), so the same
+   round selects the same clients on any number of ranks and after a resume.
+3. **When each would finish**: its round time (download, local work, upload:
+   ``SystemModel.round_seconds``); a client whose availability ends before that never
+   finishes.
+4. **Who is aggregated**: the first m to finish (ties by client id), of those within the
+   deadline (``deadline_s``). The others' updates are not computed at all: the simulation
+   knows before training that they would arrive late, and training them would only cost the
+   cluster time. Their work is still counted (``busy_s``).
+5. **How long the round takes**: until the m-th finishes, or the deadline when fewer than m
+   make it (with no deadline: until the last aggregated one finishes, or, when none finishes,
+   until the last selected one leaves). The clock advances by that much.
+
+Everything is a function of the seed, the round and the clock's state (the simulated time and
+the per-client counters), which checkpoints carry, so a resumed run continues the same
+simulated time bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpifl.core.rng import SAMPLING_TAG
+
+__all__ = ["Clock", "RoundTime"]
+
+
+@dataclass(frozen=True)
+class RoundTime:
+    """One round on the clock.
+
+    Attributes:
+        selected: (n,) int64 clients selected (available at the round's start), ascending.
+        kept: (k,) int64 those that finish in time and are aggregated (k <= m), ascending.
+        start, seconds: the round's simulated start and duration (s).
+        on_time: (n,) bool, which of ``selected`` are kept.
+        busy: (n,) float64 simulated seconds each selected client worked.
+    """
+
+    selected: np.ndarray
+    kept: np.ndarray
+    start: float
+    seconds: float
+    on_time: np.ndarray
+    busy: np.ndarray
+
+
+class Clock:
+    """Rank 0's simulated time and what each client did under it.
+
+    Args:
+        system: the clients' devices and availability.
+        num_train: (K,) int64 training samples per client (a client's local work).
+        epochs: local epochs a round.
+        seed: the run's seed (keys selection with the round).
+        deadline_s: a round's deadline in simulated seconds, or None for none.
+        over_commit: selects ``ceil(m (1 + over_commit))`` clients and keeps the first m.
+    """
+
+    #: per-client counters: name -> dtype (checkpointed, written to /system/clients)
+    COUNTERS = {"participations": np.int64, "finished": np.int64, "late": np.int64,
+                "busy_s": np.float64}
+
+    def __init__(self, system, num_train: np.ndarray, epochs: int, seed: int,
+                 deadline_s: float | None = None, over_commit: float = 0.0) -> None:
+        self.system, self.num_train = system, np.asarray(num_train, dtype=np.int64)
+        self.epochs, self.seed = int(epochs), int(seed)
+        self.deadline_s, self.over_commit = deadline_s, float(over_commit)
+        k = len(self.num_train)
+        self.now = 0.0
+        self.counters = {name: np.zeros(k, dtype=dt) for name, dt in self.COUNTERS.items()}
+        #: per round: (simulated end (s), selected, finished, late)
+        self.rounds: list[tuple[float, int, int, int]] = []
+
+    def round(self, rnd: int, m: int, sampling: str) -> RoundTime:
+        """Select, time and keep round ``rnd``'s clients (steps 1-5 of the module's
+        docstring); the clock moves only when the round is kept (:meth:`advance`), so a round
+        a stop request drops runs again on resume from the same time."""
+        start = self.now
+        selected = self._select(rnd, m, sampling, self.system.available(start))
+        seconds = self.system.round_seconds(selected, self.num_train[selected], self.epochs)
+        left = self.system.available_until(selected, start) - start
+        finish = np.where(seconds <= left, seconds, np.inf)  # leaves first: never finishes
+        order = np.lexsort((selected, finish))  # by finish time, ties by client id
+        want = len(selected) if sampling == "all" else m
+        first = order[:want]
+        limit = math.inf if self.deadline_s is None else self.deadline_s
+        in_time = first[finish[first] <= limit]
+        kept = np.sort(selected[in_time])
+        duration = self._duration(finish[in_time], seconds, left, want, limit)
+        on_time = np.zeros(len(selected), dtype=bool)
+        on_time[in_time] = True
+        busy = np.minimum(np.minimum(seconds, left), duration)
+        return RoundTime(selected, kept, start, duration, on_time, busy)
+
+    def advance(self, rt: RoundTime) -> None:
+        """Count round ``rt`` (its clients' participations, finishes, lateness and work) and
+        move the clock to its end."""
+        c = self.counters
+        c["participations"][rt.selected] += 1
+        c["finished"][rt.selected[rt.on_time]] += 1
+        c["late"][rt.selected[~rt.on_time]] += 1
+        c["busy_s"][rt.selected] += rt.busy
+        self.now = rt.start + rt.seconds
+        self.rounds.append((self.now, len(rt.selected), len(rt.kept),
+                            len(rt.selected) - len(rt.kept)))
+
+    def _select(self, rnd: int, m: int, sampling: str, available: np.ndarray) -> np.ndarray:
+        pool = np.flatnonzero(available)
+        if sampling == "all" or len(pool) == 0:
+            return pool.astype(np.int64)
+        n = min(len(pool), math.ceil(m * (1.0 + self.over_commit)))
+        p = None
+        if sampling == "weighted":
+            w = self.num_train[pool].astype(np.float64)
+            p = w / w.sum()
+        rng = np.random.default_rng([self.seed, rnd, SAMPLING_TAG])
+        return np.sort(pool[rng.choice(len(pool), size=n, replace=False, p=p)]).astype(np.int64)
+
+    @staticmethod
+    def _duration(done: np.ndarray, seconds: np.ndarray, left: np.ndarray, want: int,
+                  limit: float) -> float:
+        """How long the server waits (step 5)."""
+        if len(done) == want and len(done):
+            return float(done.max())
+        if math.isfinite(limit):
+            return limit
+        if len(done):
+            return float(done.max())
+        spent = np.minimum(seconds, left)  # nobody finishes: until the last one leaves
+        return float(spent.max()) if len(spent) else 0.0
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The clock as arrays (a checkpoint's ``server_state`` holds them)."""
+        rows = np.asarray(self.rounds, dtype=np.float64).reshape(-1, 4)
+        return {"now": np.float64(self.now), "rounds": rows, **self.counters}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Inverse of :meth:`state_dict`.
+
+        Raises:
+            ValueError: a state of another number of clients, or without the clock's arrays.
+        """
+        missing = [k for k in ("now", "rounds", *self.COUNTERS) if k not in state]
+        if missing:
+            raise ValueError(f"the checkpoint has no simulated-time state ({', '.join(missing)})")
+        for name, dtype in self.COUNTERS.items():
+            value = np.asarray(state[name], dtype=dtype)
+            if value.shape != self.counters[name].shape:
+                raise ValueError(f"the checkpoint's clock counts {value.shape[0]} clients, the "
+                                 f"run has {self.counters[name].shape[0]}")
+            self.counters[name] = value.copy()
+        self.now = float(state["now"])
+        self.rounds = [tuple(r) for r in np.asarray(state["rounds"]).reshape(-1, 4).tolist()]
+
+    def tables(self) -> dict[str, np.ndarray]:
+        """What the results file's /system group holds: per round the simulated end time (s)
+        and the clients selected, finished and late; per client its tier and counters."""
+        rows = np.asarray(self.rounds, dtype=np.float64).reshape(-1, 4)
+        return {"rounds/sim_time": rows[:, 0], "rounds/selected": rows[:, 1].astype(np.int64),
+                "rounds/finished": rows[:, 2].astype(np.int64),
+                "rounds/late": rows[:, 3].astype(np.int64),
+                "clients/tier": np.asarray(self.system.tier, dtype=np.int64),
+                **{f"clients/{k}": v for k, v in self.counters.items()}}

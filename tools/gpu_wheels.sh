@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Download, here (with network), the wheels a GPU node without network lacks into .whl/, for
+# tools/gpu_check.sh to install there. The node's image (Python 3.12, x86-64) has torch, numpy,
+# h5py, xarray, pandas, tqdm, threadpoolctl; it lacks pydantic and an MPI to launch ranks with
+# (mpiexec), so mpi4py and MPICH travel as a matching pair (mpi4py's wheel loads MPICH's
+# library); and Fashion-MNIST, the main job's data, goes in .whl/data/.
+#   tools/gpu_wheels.sh        then carry .whl with the repository
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+mkdir -p .whl
+EXCLUDE=$(git rev-parse --git-path info/exclude 2>/dev/null || true)
+if [ -n "$EXCLUDE" ] && ! grep -qxF '/.whl/' "$EXCLUDE" 2>/dev/null; then
+  echo '/.whl/' >> "$EXCLUDE"
+fi
+
+# name==version, the versions this project is tested with (pip list here)
+WHEELS=(
+  mpi4py==4.1.2 mpich==5.0.2
+  pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+  typing_extensions==4.16.0 tomli_w==1.2.0
+)
+PLATFORMS=()
+for n in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
+  PLATFORMS+=(--platform "${n}_x86_64")
+done
+for spec in "${WHEELS[@]}"; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp "${PLATFORMS[@]}" -d .whl "$spec"
+done
+# the main job's data (jobs/fmnist-fedfv.toml): Fashion-MNIST as Debian's package installs it
+FMNIST=/usr/share/datasets/fashion-mnist
+if [ -d "$FMNIST" ]; then
+  mkdir -p .whl/data/fashion-mnist && cp -u "$FMNIST"/*-ubyte.gz .whl/data/fashion-mnist/
+else
+  echo "gpu_wheels: $FMNIST missing (make data): the main job's benchmark will fail there" >&2
+fi
+ls -la .whl .whl/data/fashion-mnist 2>/dev/null
+du -sh .whl  # carried with the working tree: 64 MiB at most
