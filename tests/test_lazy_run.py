@@ -171,7 +171,7 @@ def test_a_streamed_evaluation_equals_the_eager_one_in_any_windows(monkeypatch):
 
 @pytest.mark.parametrize("sets, message", [
     (["data.dataset=fashion_mnist", "data.partition=shards"],
-     "data.lazy: 'fashion_mnist' cannot be loaded lazily (lazy: synthetic)"),
+     "data.lazy: 'fashion_mnist' cannot be loaded lazily (lazy: cifar100_like, "),
     (["server.meta=true"], "data.lazy: FedMeta's meta step draws its meta set"),
 ])
 def test_what_cannot_be_lazy_is_refused_in_one_line(tmp_path, sets, message):

@@ -49,15 +49,19 @@ def test_public_names():
     from mpifl.experiment.config import load_config
 
     assert DATASETS == ("fashion_mnist", "mnist", "cifar10", "cifar100", "synthetic", "adult",
-                        "compas", "german")
+                        "compas", "german", "leaf_femnist", "leaf_shakespeare", "leaf_sent140",
+                        "leaf_synthetic", "tff_emnist", "tff_shakespeare", "tff_stackoverflow",
+                        "tff_cifar100", "flair", "femnist_like", "shakespeare_like",
+                        "stackoverflow_like", "cifar100_like", "cifar10_like")
     assert PARTITIONS == ("iid", "shards", "pathological", "dirichlet", "one_class_per_client",
                           "natural", "group_skew")
     # one truth: every built-in name is a registry entry, accepted by the config
     assert set(PARTITIONS) <= set(PARTITIONERS.available())
     assert set(DATASETS) <= set(DATASET_LOADERS.available())
-    for name in DATASETS:
+    for name in DATASETS:  # a data set of its own clients goes with 'natural' only
+        own = "clients" in (DATASET_LOADERS.get(name).provides or ())
         load_config(None, [f"data.dataset={name}", "data.partition="
-                           + ("natural" if name == "synthetic" else "iid")])
+                           + ("natural" if own else "iid")])
 
 
 # ----------------------------------------------------------------------------- iid, shards
@@ -286,9 +290,9 @@ def test_synthetic_feature_variance_and_heterogeneity():
 
 
 def test_load_federated_rejects_bad_combinations():
-    with pytest.raises(DataError, match="'natural' goes with dataset 'synthetic'"):
+    with pytest.raises(DataError, match="'natural' goes with the data sets that have their own clients"):
         load_federated("synthetic", partition="iid", num_clients=3, seed=0)
-    with pytest.raises(DataError, match="'natural' goes with dataset 'synthetic'"):
+    with pytest.raises(DataError, match="'natural' goes with the data sets that have their own clients"):
         load_federated("mnist", partition="natural", num_clients=3, seed=0)
     with pytest.raises(DataError, match="unknown dataset"):
         load_federated("imagenet", partition="iid", num_clients=3, seed=0)

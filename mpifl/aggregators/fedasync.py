@@ -46,7 +46,7 @@ class FedAsync(Aggregator):
 
     class Params(StalenessParams):
         #: C: clients training at once
-        concurrency: int = Field(100, ge=1)
+        concurrency: int = Field(100, ge=1, le=2**31 - 1)
         #: alpha: the weight of an arriving client model (before its staleness factor)
         alpha: float = Field(0.6, gt=0.0, le=1.0)
 

@@ -96,9 +96,9 @@ class FedBuff(Aggregator):
 
     class Params(StalenessParams):
         #: B: updates aggregated per server step
-        buffer_size: int = Field(10, ge=1)
+        buffer_size: int = Field(10, ge=1, le=2**31 - 1)
         #: C: clients training at once (>= buffer_size)
-        concurrency: int = Field(100, ge=1)
+        concurrency: int = Field(100, ge=1, le=2**31 - 1)
         #: eta_g: the server learning rate scaling the buffered mean
         server_lr: float = Field(1.0, gt=0.0)
 
