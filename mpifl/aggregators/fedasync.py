@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 
 from mpifl.aggregators.base import Aggregator, RoundUpdates, register
-from mpifl.aggregators.fedbuff import ASYNC_NOTE, StalenessParams, staleness_of, staleness_weights
+from mpifl.aggregators.fedbuff import ASYNC_NOTE, StalenessParams, stale_weights, weighted_step
 from mpifl.aggregators.needs import Needs
 
 __all__ = ["FedAsync"]
@@ -58,11 +58,8 @@ class FedAsync(Aggregator):
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """(d,) step ``alpha f(tau) (w - w_k)`` in the dtype and on the device of
         ``r.updates``."""
-        p = self.weights(r)
-        return torch.as_tensor(p, dtype=r.updates.dtype, device=r.updates.device) @ r.updates
+        return weighted_step(self.weights(r), r)
 
     def weights(self, r: RoundUpdates) -> np.ndarray:
         """(m,) float64 ``alpha f(tau_k) / m``."""
-        p = self.params
-        f = staleness_weights(staleness_of(r, self.name), p.staleness, p.a, p.b)
-        return np.full(r.m, 1.0 / r.m) * f * p.alpha
+        return stale_weights(r, self.name, self.params, self.params.alpha)

@@ -71,6 +71,20 @@ def staleness_of(r: RoundUpdates, rule: str) -> np.ndarray:
     return tau.detach().cpu().numpy().astype(np.int64)
 
 
+def stale_weights(r: RoundUpdates, rule: str, params: StalenessParams,
+                  scale: float) -> np.ndarray:
+    """(m,) float64 ``scale f(tau_k) / m``: the buffered mean's weights of FedBuff (scale
+    eta_g) and FedAsync (scale alpha)."""
+    f = staleness_weights(staleness_of(r, rule), params.staleness, params.a, params.b)
+    return np.full(r.m, 1.0 / r.m) * f * scale
+
+
+def weighted_step(p: np.ndarray, r: RoundUpdates) -> torch.Tensor:
+    """(d,) ``p @ updates`` in the dtype and on the device of ``r.updates`` (FedAvg's
+    arithmetic, so that equal weights give its step bit for bit)."""
+    return torch.as_tensor(p, dtype=r.updates.dtype, device=r.updates.device) @ r.updates
+
+
 @register("fedbuff")
 class FedBuff(Aggregator):
     """Buffered asynchronous aggregation: ``s = eta_g (1/B) sum_k f(tau_k) u_k`` over the B
@@ -119,11 +133,8 @@ class FedBuff(Aggregator):
     def aggregate(self, r: RoundUpdates) -> torch.Tensor:
         """(d,) step in the dtype and on the device of ``r.updates`` (B = r.m, the updates
         buffered: fewer than ``buffer_size`` only when some were rejected)."""
-        p = self.weights(r)
-        return torch.as_tensor(p, dtype=r.updates.dtype, device=r.updates.device) @ r.updates
+        return weighted_step(self.weights(r), r)
 
     def weights(self, r: RoundUpdates) -> np.ndarray:
         """(m,) float64 ``eta_g f(tau_k) / m``."""
-        p = self.params
-        f = staleness_weights(staleness_of(r, self.name), p.staleness, p.a, p.b)
-        return np.full(r.m, 1.0 / r.m) * f * p.server_lr
+        return stale_weights(r, self.name, self.params, self.params.server_lr)
