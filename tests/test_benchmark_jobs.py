@@ -74,34 +74,25 @@ def _resumes_exactly(job: str, root: Path, tmp_path: Path, shrink: list[str]) ->
         return f["eval/mean"][()]
 
 
-def test_leaf_femnist_job_on_leaf_files_resumes_exactly(data_root, tmp_path):
-    acc = _resumes_exactly("leaf-femnist.toml", data_root, tmp_path,
-                           ["data.num_clients=12", "server.clients_per_round=4",
-                            "model.params.hidden=32"])
-    assert np.isfinite(acc).all()
+#: job -> the --set shrinking it to a test's size (the data, the cohort, the model's widths)
+SHRUNK = {
+    "leaf-femnist.toml": ["data.num_clients=12", "server.clients_per_round=4",
+                          "model.params.hidden=32"],
+    "tff-stackoverflow.toml": ["data.num_clients=12", "server.clients_per_round=4",
+                               "run.eval_clients=6", "data.params.vocab_size=20",
+                               "model.params.embedding_size=16", "model.params.hidden_size=16",
+                               "model.params.num_heads=2", "model.params.feedforward_size=32",
+                               "model.params.num_layers=1"],
+    "leaf-shakespeare.toml": ["data.num_clients=12", "server.clients_per_round=4",
+                              "model.params.hidden_size=16"],
+    "fedcifar100.toml": ["data.num_clients=12", "server.clients_per_round=4",
+                         "model.params.width=8"],
+}
 
 
-def test_tff_stackoverflow_job_on_tff_files_resumes_exactly(data_root, tmp_path):
-    acc = _resumes_exactly("tff-stackoverflow.toml", data_root, tmp_path,
-                           ["data.num_clients=12", "server.clients_per_round=4",
-                            "run.eval_clients=6", "data.params.vocab_size=20",
-                            "model.params.embedding_size=16", "model.params.hidden_size=16",
-                            "model.params.num_heads=2", "model.params.feedforward_size=32",
-                            "model.params.num_layers=1"])
-    assert np.isfinite(acc).all()
-
-
-def test_leaf_shakespeare_job_on_leaf_files_resumes_exactly(data_root, tmp_path):
-    acc = _resumes_exactly("leaf-shakespeare.toml", data_root, tmp_path,
-                           ["data.num_clients=12", "server.clients_per_round=4",
-                            "model.params.hidden_size=16"])
-    assert np.isfinite(acc).all()
-
-
-def test_fedcifar100_job_on_tff_files_resumes_exactly(data_root, tmp_path):
-    acc = _resumes_exactly("fedcifar100.toml", data_root, tmp_path,
-                           ["data.num_clients=12", "server.clients_per_round=4",
-                            "model.params.width=8"])
+@pytest.mark.parametrize("job", list(SHRUNK))
+def test_a_benchmark_job_on_published_files_resumes_exactly(job, data_root, tmp_path):
+    acc = _resumes_exactly(job, data_root, tmp_path, SHRUNK[job])
     assert np.isfinite(acc).all()
 
 
