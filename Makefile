@@ -4,13 +4,13 @@ PIP := $(PYTHON) -m pip
 FMNIST := /usr/share/datasets/fashion-mnist
 RANKS ?= 3
 
-.PHONY: install data slurm-deps demo test bench gpu-check gpu-wheels clean
+.PHONY: install data slurm-deps demo check lint types unit docs test bench gpu-check gpu-wheels clean
 
 # torch first, pinned: on these machines 2.13.0 is a local CPU build; an unpinned torch would
 # pull gigabytes of CUDA packages.
 install:
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[mpi,dev]"
+	$(PIP) install -q -e ".[mpi,dev,docs]"
 
 # Real Fashion-MNIST from Debian's dataset package (root needed once).
 data:
@@ -30,8 +30,28 @@ demo: install data
 	mpiexec -n $(RANKS) python -m mpifl run jobs/fmnist-fedfv.toml --out runs/main.h5 --overwrite
 	mpifl report runs/main.h5
 
-test: install data slurm-deps
-	$(PYTHON) -m pytest -q --durations=15
+# The fast check (no install, no MPI, under 5 minutes on 2 cores): lint, types, unit tests.
+check: lint types unit
+
+lint:
+	$(PYTHON) -m ruff check mpifl tests
+
+types:
+	$(PYTHON) -m mypy
+
+# in-process tests on every core (pytest-xdist); tests marked mpi, slurm or slow are left out
+unit:
+	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm and not slow"
+
+# the documentation site, warnings as errors (open build/site/index.html)
+docs:
+	$(PYTHON) -m mkdocs build --strict -d build/site
+
+# The full suite (what CI runs): the check, the site, every in-process test on every core, then
+# the tests that start mpiexec or use the SLURM cluster one at a time (their ranks take the cores).
+test: install data slurm-deps lint types docs
+	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm" --durations=15
+	$(PYTHON) -m pytest -q -m "mpi or slurm" --durations=15
 
 bench: install
 	mpifl bench aggregation --algorithms fedfv --m 10,60,200 --d 199210

@@ -161,7 +161,8 @@ class _stop_signals:
     installed."""
 
     def __init__(self, stop) -> None:
-        self.stop, self.saved = stop, {}
+        self.stop = stop
+        self.saved: dict[int, Any] = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

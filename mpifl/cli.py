@@ -472,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--warmup", type=int, default=1, help="untimed calls first")
     ba.add_argument("--baseline-repeats", type=int, default=None,
                     help="timed calls of the slow direct FedFV (default: --repeats)")
-    ba.add_argument("--device", default="cpu")
+    ba.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ba.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     ba.add_argument("--out", help="also write the results to this HDF5 file (replaced)")
     ba.add_argument("--json", action="store_true", help="print one JSON object")
@@ -495,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--epochs", type=int, default=None, help="E (default: the config's, 1)")
     bs.add_argument("--rounds", type=int, default=3, help="timed rounds per path (default 3)")
     bs.add_argument("--model", default=None, help="model name (default: the config's, mlp)")
-    bs.add_argument("--device", default="cpu")
+    bs.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     bs.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     bs.add_argument("--json", action="store_true", help="print one JSON object")
     bs.set_defaults(func=cmd_bench)
@@ -514,12 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds - 1 (default 3)")
     c.set_defaults(func=cmd_check)
 
-    d = sub.add_parser("data", help="datasets")
+    d = sub.add_parser("data", help="data sets: download and verify their official files")
     dsub = d.add_subparsers(dest="data", required=True)
     f = dsub.add_parser("fetch", help="download a dataset's official files and verify checksums")
     from mpifl.data.fetch import FETCHABLE
 
-    f.add_argument("name", choices=list(FETCHABLE))
+    f.add_argument("name", choices=list(FETCHABLE), help="the data set to download")
     f.add_argument("--root", help="target folder (default ~/.cache/mpifl/data)")
     f.set_defaults(func=cmd_data_fetch)
     return p

@@ -13,7 +13,8 @@ config (or publish it under the ``mpifl.plugins`` entry-point group)::
     [trimmed_mean]                     # the rule's Params, validated like a built-in table
     trim = 0.2
 
-The decorators (README "Plugins" walks through examples/plugin/ and examples/models/):
+The decorators (docs/tutorials/first-plugin.md walks through examples/plugin/; docs/guides/models.md
+through examples/models/):
 
 - :func:`register_rule` on an :class:`Aggregator` subclass with a nested ``Params``
   (:class:`Params`): ``aggregate(r: RoundUpdates) -> step`` (d,), ``w <- w - step``; what it
@@ -39,6 +40,8 @@ mpifl's own data sets and partitions are registered by these same decorators
 (:mod:`mpifl.data.builtin`).
 """
 
+from collections.abc import Callable
+
 from mpifl.aggregators.base import RULES, Aggregator, RoundUpdates
 from mpifl.aggregators.base import register as register_rule
 from mpifl.aggregators.needs import (BenchInputs, BenchSpec, MemoryRows, Needs, ObservesParams,
@@ -46,11 +49,13 @@ from mpifl.aggregators.needs import (BenchInputs, BenchSpec, MemoryRows, Needs, 
 from mpifl.core.params import Params
 from mpifl.data.federated import FederatedData
 from mpifl.data import registry as _data
-from mpifl.data.registry import CLIENTS, LABELS, RAW, SENSITIVE, DataPool, Partitioned
+from mpifl.data.registry import CLIENTS, LABELS, RAW, SENSITIVE, DataPool, DataShape, Partitioned
 from mpifl.models.losses import LOSSES, Loss
+from mpifl.models import zoo as _zoo
 from mpifl.models.zoo import MODEL_FACTORIES
 
-__all__ = ["Aggregator", "BenchInputs", "BenchSpec", "CLIENTS", "DataPool", "FederatedData",
+__all__ = ["Aggregator", "BenchInputs", "BenchSpec", "CLIENTS", "DataPool", "DataShape",
+           "FederatedData",
            "LABELS", "Loss", "MemoryRows", "Needs", "ObservesParams", "Params", "Partitioned",
            "PersonalModels", "RAW", "RoundInputs", "RoundUpdates", "SENSITIVE", "Shards",
            "StateRows", "register_dataset", "register_loss", "register_model",
@@ -68,16 +73,26 @@ def register_loss(name: str):
     return LOSSES.register(name)
 
 
-def register_model(name: str):
+def register_model(name: str, *, size: Callable[..., int] | str | None = None):
     """Decorator: register a model factory as ``model.name = "<name>"``.
+
+    Args:
+        size: how the memory budget counts its parameters before the run: ``"meta"`` (build
+            it on torch's meta device: only for a factory that does nothing but build torch
+            modules) or ``size(input_shape, num_classes, **params) -> d``; None (default): not
+            counted (the factory is not run before the real build).
 
     Raises:
         ValueError: the name is taken by another factory, empty, or contains ':'.
+        TypeError: ``size`` is neither ``"meta"``, a function nor None.
     """
-    return MODEL_FACTORIES.register(name)
+    if size is None:
+        return MODEL_FACTORIES.register(name)
+    return _zoo.register_model(name, size=size)
 
 
-def register_dataset(name: str, *, params: type[Params] | None = None, provides=None):
+def register_dataset(name: str, *, params: type[Params] | None = None, provides=None,
+                     shape: DataShape | None = None):
     """Decorator: register a data set loader as ``data.dataset = "<name>"``.
 
     Args:
@@ -85,12 +100,14 @@ def register_dataset(name: str, *, params: type[Params] | None = None, provides=
             None: the table's keys are passed through unchecked.
         provides: what its pool has, of ``LABELS``, ``SENSITIVE``, ``RAW``, ``CLIENTS``, checked
             against the partition before anything is loaded; None: checked once loaded.
+        shape: its sizes (:class:`DataShape`: samples, one sample's shape, classes), which the
+            memory budget reads before anything is loaded; None: the data is not counted.
 
     Raises:
         ValueError: the name is taken by another loader, empty, or contains ':'; unknown tags.
         TypeError: ``params`` is not a :class:`Params` subclass.
     """
-    return _data.register_dataset(name, params=params, provides=provides)
+    return _data.register_dataset(name, params=params, provides=provides, shape=shape)
 
 
 def register_partition(name: str, *, params: type[Params] | None = None, needs=()):

@@ -1,4 +1,4 @@
-"""Evaluation after local adaptation (``run.adapt_epochs``, issue 13 item 3): each client's test
+"""Evaluation after local adaptation (``run.adapt_epochs``): each client's test
 accuracy after k epochs of plain local SGD from the global model, against a per-client
 torch.optim.SGD oracle; the option changes no trained model; 1 process vs mpiexec -n 3;
 stored, reported and loaded beside the global model's accuracy."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import vector_to_parameters
 
 from mpifl.cli import main
 from mpifl.clients import VmapTrainer, client_minibatches
@@ -150,6 +150,7 @@ def runs(job, tmp_path_factory):
     return out
 
 
+@pytest.mark.mpi
 def test_option_off_writes_nothing_and_on_changes_no_trained_model(runs):
     from tests.test_resume import contents
 
@@ -164,6 +165,7 @@ def test_option_off_writes_nothing_and_on_changes_no_trained_model(runs):
     assert "eval/adapted/client_accuracy" in adapted and "eval/adapted/worst5" in adapted
 
 
+@pytest.mark.mpi
 def test_stored_accuracies_equal_the_per_client_oracle(runs, job):
     res = read_results(runs["on1"])
     ev, cfg = res["eval"], load_config(str(job), [f"run.adapt_epochs={ADAPT}"])
@@ -191,6 +193,7 @@ def test_stored_accuracies_equal_the_per_client_oracle(runs, job):
     assert ev["adapted/mean"][-1] > ev["mean"][-1]
 
 
+@pytest.mark.mpi
 def test_one_and_three_ranks_agree(runs):
     one, three = read_results(runs["on1"])["eval"], read_results(runs["on3"])["eval"]
     np.testing.assert_array_equal(three["adapted/client_accuracy"], one["adapted/client_accuracy"])
@@ -200,6 +203,7 @@ def test_one_and_three_ranks_agree(runs):
         np.testing.assert_array_equal(three[key], one[key])
 
 
+@pytest.mark.mpi
 def test_report_and_load_show_the_adapted_metrics(runs, capsys):
     from mpifl import load
     from mpifl.report.tables import summarise
@@ -219,6 +223,7 @@ def test_report_and_load_show_the_adapted_metrics(runs, capsys):
     assert np.isnan(ds["adapted_mean"].sel(run="off").values).all()
 
 
+@pytest.mark.mpi
 def test_resume_keeps_the_adapted_history(runs, job, tmp_path):
     """Stop after 2 of 4 rounds (checkpoint), extend to 4 with --resume: the same results as the
     run left alone (the checkpoint's history holds /eval/adapted), and a changed

@@ -1,4 +1,4 @@
-"""The aggregator registry, RoundUpdates validation and FedAvg (SPEC §2)."""
+"""The aggregator registry, RoundUpdates validation and FedAvg (docs/ALGORITHMS.md §2)."""
 
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ def test_the_main_rules_are_runnable():
     assert set(runnable()) == set(available()) - {"mfairfl"}
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("name", runnable())
 def test_runs_under_mpiexec(name, tmp_path):
     out = tmp_path / f"{name}.h5"

@@ -1,4 +1,4 @@
-"""Any model researchers train (issue 24): the loss declared once, the per-client loop trainer
+"""Any model researchers train: the loss declared once, the per-client loop trainer
 (the oracle of the vectorised paths and the trainer of BatchNorm and Dropout), keyed dropout,
 BatchNorm statistics averaged with the parameters, the trainer choice, and the example plugin
 package examples/models/ under real mpiexec with kill and resume."""
@@ -326,6 +326,7 @@ def resnet_runs(tmp_path_factory, request):
     return job, outs
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs):
     from tests.test_resume import contents
@@ -356,6 +357,7 @@ def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs)
         assert rows.shape[0] == 6 and len(np.unique(rows, axis=0)) > 1  # each client its own
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_batchnorm_dropout_resnet_resumes_bit_exact_after_sigkill(resnet_runs, tmp_path):
     from tests.test_ditto import kill_mid_run
@@ -405,6 +407,7 @@ clients_per_round = 4
 """
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_regression_with_mse_under_mpi_summarises_losses(tmp_path):
     from tests.test_resume import contents, run
@@ -512,6 +515,7 @@ class RaisingRule(Aggregator):
 '''
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("old,new,ranks,message", [
     ("", "", 1, None),  # the unchanged job runs: the failures below are the changes'
     ('name = "mlp"', 'name = "fragile"', 3,

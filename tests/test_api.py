@@ -102,9 +102,10 @@ def test_the_callers_signal_handlers_come_back(job, tmp_path):
 
 
 def test_the_readmes_example_runs(tmp_path):
-    """README's "From Python" block, as a newcomer would paste it (20 rounds of the main job)."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("### From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    """The "From Python" block of docs/guides/running.md, as a newcomer would paste it (20 rounds
+    of the main job)."""
+    readme = (ROOT / "docs" / "guides" / "running.md").read_text()
+    block = readme.split("## From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     (tmp_path / "jobs").symlink_to(ROOT / "jobs")
     proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -242,6 +242,7 @@ def test_fedasync_resumes_exactly(tmp_path):
     assert steps[:, 2].tolist() == [1] * 6 and steps[1:, 4].max() > 0  # one stale update a step
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_the_oracle_and_resume_on_three_ranks(tmp_path):
     (tmp_path / "o").mkdir()

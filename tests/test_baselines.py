@@ -1,6 +1,6 @@
-"""Server-side baselines of SPEC §7: qFedAvg, DRFL, AFL, FedMGDA+. Each aggregation against a
-direct computation of the SPEC formula written plainly here, a hand-checked 2-client case in 2-D,
-state round trips, and the config tables."""
+"""Server-side baselines of docs/ALGORITHMS.md §7: qFedAvg, DRFL, AFL, FedMGDA+. Each aggregation
+against a direct computation of the reference's formula written plainly here, a hand-checked
+2-client case in 2-D, state round trips, and the config tables."""
 
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ def test_loss_weighted_rules_reject_bad_losses(name, bad):
 # ---- FedMGDA+ ---------------------------------------------------------------------------------
 
 def direct_fedmgda(r, eps, eta):
-    """SPEC §7 on explicit normalised vectors, with a plain cvxopt call (as the reference
-    code: P = 2 J J^T, box rows -I and I, one equality row)."""
+    """docs/ALGORITHMS.md §7 (FedMGDA+) on explicit normalised vectors, with a plain cvxopt call (as
+    the reference code: P = 2 J J^T, box rows -I and I, one equality row)."""
     U, _, n = as64(r)
     m = U.shape[0]
     unit = np.array([u / (np.linalg.norm(u) + 1e-8) for u in U])

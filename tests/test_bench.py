@@ -281,7 +281,7 @@ def test_model_flops_of_the_mlp():
     assert f["params"] == weights + 200 + 200 + 10
 
 
-# ---- mpifl bench aggregation --shards (issue 14) -----------------------------------------------
+# ---- mpifl bench aggregation --shards (docs/ARCHITECTURE.md, "Sharded server") ----------------
 
 def test_shard_inputs_are_the_same_matrix_whatever_the_blocks():
     from mpifl.aggregators.shards import shard_bounds
@@ -318,6 +318,7 @@ def sharded_files(tmp_path_factory):
     return out
 
 
+@pytest.mark.mpi
 def test_sharded_bench_rows_split_and_agree_with_one_rank(sharded_files):
     from mpifl.bench.sharded import read_sharded_hdf5
 
@@ -334,6 +335,7 @@ def test_sharded_bench_rows_split_and_agree_with_one_rank(sharded_files):
     assert attrs1["shards"] == 1 and (one["fedfv"]["allsum_s"] == 0).all()
 
 
+@pytest.mark.mpi
 def test_agg_scaling_takes_p_as_an_axis(sharded_files, tmp_path):
     png = tmp_path / "p.png"
     proc = _run_scaling("--sharded", str(sharded_files[1]), str(sharded_files[2]),

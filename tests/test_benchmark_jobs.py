@@ -90,6 +90,7 @@ SHRUNK = {
 }
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("job", list(SHRUNK))
 def test_a_benchmark_job_on_published_files_resumes_exactly(job, data_root, tmp_path):
     acc = _resumes_exactly(job, data_root, tmp_path, SHRUNK[job])

@@ -5,7 +5,6 @@ not collide."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

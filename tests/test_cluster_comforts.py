@@ -1,4 +1,4 @@
-"""Long cluster runs as their users meet them (issue 26): checkpoints by default (by wall time),
+"""Long cluster runs as their users meet them: checkpoints by default (by wall time),
 ``mpifl report`` telling an interrupted run from a live one, progress lines in batch logs — all
 under real ``mpiexec``, real SIGKILLs and real files."""
 
@@ -77,6 +77,7 @@ def _rounds_written(path) -> int:
         return 0
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path):
     from mpifl.store.checkpoint import folder_for
@@ -99,6 +100,7 @@ def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path):
     assert "complete" in _report(out)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_checkpoint_every_0_turns_periodic_checkpoints_off_and_report_says_not_resumable(
         tmp_path):
@@ -113,6 +115,7 @@ def test_checkpoint_every_0_turns_periodic_checkpoints_off_and_report_says_not_r
     assert "interrupted at round" in _report(out) and "(not resumable)" in _report(out)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_wall_time_checkpoints_and_progress_lines_under_mpiexec(tmp_path):
     from tests.test_resume import run
@@ -177,6 +180,7 @@ def test_report_lines_up_seed_folders_and_files_and_states_what_it_used(tmp_path
         _report(tmp_path / "empty-folder-does-not-exist")
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_recorded_peak_memory_is_the_ranks_os_peak_after_the_last_evaluation(tmp_path):
     """/rounds/peak_rss_*_mb of the last round (with its evaluation of every client) match

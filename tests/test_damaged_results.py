@@ -1,4 +1,4 @@
-"""A damaged results file is never hidden (issue 28, item 3): every command that reads results
+"""A damaged results file is never hidden: every command that reads results
 names it (path and reason) in one ``mpifl: error:`` line with exit status 2. Summaries (``mpifl
 report`` of files, folders and sweep folders, ``mpifl run --seeds``, ``mpifl reproduce
 --report-only``, ``mpifl sweep --dry-run`` / ``--print-args``) still show the intact runs and

@@ -1,4 +1,4 @@
-"""One route for data (issue 25, item 4): mpifl's own data sets and partitions are registry
+"""One route for data: mpifl's own data sets and partitions are registry
 entries like plugins', their parameters are ``[data.params]`` / ``[data.partition_params]``
 validated by each entry's ``Params``, what goes with what is declared by the entries and checked
 in one place, and the old flat ``[data]`` keys still work, with bit-identical data.

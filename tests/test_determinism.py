@@ -242,6 +242,7 @@ def test_resume_may_change_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_a_kernel_without_a_deterministic_form_ends_the_run_in_one_line(tmp_path, ranks):
     job = _job(tmp_path, "det_put_ce")

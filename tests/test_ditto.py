@@ -32,7 +32,7 @@ def oracle_ditto(model, x, y, w, V, *, round, lr, lam, client_ids, sample_idx, e
                  batch_size, momentum=0.0, weight_decay=0.0, seed=0):
     """One client at a time, two torch.optim.SGD optimisers, as in the authors' code: per
     minibatch, a personal step on ``CE + (lam/2)||v - w||^2`` then a global step on CE, both on
-    the same minibatch (SPEC §1 order)."""
+    the same minibatch (docs/ALGORITHMS.md §1 order)."""
     updates, personal, losses = [], [], []
     for k, (cid, idx) in enumerate(zip(client_ids, sample_idx)):
         glob, pers = copy.deepcopy(model), copy.deepcopy(model)
@@ -202,7 +202,7 @@ def test_aggregator_refuses_bad_input():
 def random_rounds(K, d, rounds, m, seed=0):
     rng = np.random.default_rng(seed)
     out = []
-    for t in range(rounds):
+    for _ in range(rounds):
         ids = np.sort(rng.choice(K, size=m, replace=False))
         out.append((ids, rng.standard_normal((m, d)).astype(np.float32),
                     rng.standard_normal((m, d)).astype(np.float32), rng.integers(1, 50, m)))
@@ -306,6 +306,7 @@ def runs(job, tmp_path_factory):
     return out
 
 
+@pytest.mark.mpi
 def test_one_and_three_ranks_give_the_same_personal_accuracies(runs, capsys):
     out = runs
     res = {}
@@ -377,6 +378,7 @@ def kill_mid_run(cmd: list[str], out, seconds: float) -> bool:
         return True
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sigkill_then_resume_is_bit_exact(job, runs, tmp_path):
     from mpifl.store.results import MEASURED_COLUMNS

@@ -211,6 +211,7 @@ def cluster_env(tmp_path_factory):
         sh("down", check=False)
 
 
+@pytest.mark.slurm
 def test_auto_submits_to_slurm_when_the_controller_answers(cluster_env, tmp_path):
     path, out = write_sweep(tmp_path / "files"), tmp_path / "out"
     submitted = mpifl(cluster_env, "sweep", path, "--out", out, timeout=120)

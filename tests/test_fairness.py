@@ -1,5 +1,5 @@
-"""Group and client fairness metrics (SPEC §4, §10): a hand-made table with hand-computed values,
-the differentiable surrogates against the hard metrics, gradients, vmap."""
+"""Group and client fairness metrics (docs/ALGORITHMS.md §4, §10): a hand-made table with
+hand-computed values, the differentiable surrogates against the hard metrics, gradients, vmap."""
 
 from __future__ import annotations
 

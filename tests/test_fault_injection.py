@@ -1,4 +1,4 @@
-"""Fault injection with a fixed seed and a bounded time (issue 19): random byte flips of results
+"""Fault injection with a fixed seed and a bounded time: random byte flips of results
 files and checkpoints, SIGKILLs at random moments and in the middle of writes, concurrent
 starts on the same run. Every case must be either detected with a one-line error or resume to
 exactly the model of the run left alone. Counts are printed.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -193,6 +192,7 @@ def test_concurrent_starts_leave_one_writer(job, reference, tmp_path):
     assert not out.with_name(out.name + ".lock").exists()
 
 
+@pytest.mark.mpi
 def test_counts(capsys):
     """Print what was injected (last in this module) and check that every case was seen."""
     line = f"fault injection (seed {SEED}): " + ", ".join(f"{k} {v}" for k, v in

@@ -1,4 +1,5 @@
-"""FedFa (Huang et al. 2020/2022, SPEC §7): weights, server momentum, counts, state, bad inputs."""
+"""FedFa (Huang et al. 2020/2022, docs/ALGORITHMS.md §7): weights, server momentum, counts, state,
+bad inputs."""
 
 from __future__ import annotations
 
@@ -35,9 +36,9 @@ def random_rounds(seed, K=8, m=4, d=7, T=6, dtype=torch.float64):
 
 
 def direct_fedfa(rounds, K, beta, gamma_s):
-    """SPEC §7 written out in float64 numpy on the client models w_k = w^t - u_k (with w^t = 0,
-    so the weights act on the models themselves), f counting the current round (as the
-    reference code): the steps s^t = w^t - w^{t+1} and the final counts."""
+    """docs/ALGORITHMS.md §7 (FedFa) written out in float64 numpy on the client models
+    w_k = w^t - u_k (with w^t = 0, so the weights act on the models themselves), f counting the
+    current round (as the reference code): the steps s^t = w^t - w^{t+1} and the final counts."""
     f = np.zeros(K, dtype=np.int64)
     w = None
     v = None

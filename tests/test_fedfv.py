@@ -1,5 +1,5 @@
-"""FedFV (SPEC §3): the Gram form against the direct oracle, hand-checked cases, the history
-ring, the guarantees SPEC gives, and checkpoint round trips."""
+"""FedFV (docs/ALGORITHMS.md §3): the Gram form against the direct oracle, hand-checked cases, the
+history ring, the guarantees docs/ALGORITHMS.md §3 states, and checkpoint round trips."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def test_history_holds_only_latest_update(make):
     np.testing.assert_allclose(s, 0.5 * unit([0.25, 0.75]), atol=1e-12)
 
 
-# ---- what SPEC guarantees --------------------------------------------------------------------
+# ---- what docs/ALGORITHMS.md §3 guarantees ------------------------------------------------------
 
 def test_step_norm_is_mean_update_norm():
     for r in conflicting_rounds(torch.float64):

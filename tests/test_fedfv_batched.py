@@ -261,6 +261,7 @@ def test_the_recursion_benchmark_times_both_forms_on_the_same_inputs():
 
 # ---- sharded: real MPI ranks -------------------------------------------------------------------
 
+@pytest.mark.mpi
 def test_sharded_recursion_equals_the_one_rank_rule():
     from tests.helpers import mpiexec
 

@@ -1,6 +1,6 @@
-"""FedLF (SPEC §5): the no-conflict invariant on random inputs, the combine-layers rule, the QP
-against a direct cvxopt solve on explicit vectors, absent-client history, bounded memory, state
-round trips through HDF5, a hand-checked 2-client case, and the jobs."""
+"""FedLF (docs/ALGORITHMS.md §5): the no-conflict invariant on random inputs, the combine-layers
+rule, the QP against a direct cvxopt solve on explicit vectors, absent-client history, bounded
+memory, state round trips through HDF5, a hand-checked 2-client case, and the jobs."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def fair_row(G, h):
 
 
 def assert_no_conflict(X, m, losses, layers, direction, tol=1e-8):
-    """SPEC §5.8 per solved layer group: every row (clients, history) and the fair row have
-    a non-negative dot product with d_g, up to tol relative, unless d_g is zero."""
+    """docs/ALGORITHMS.md §5.8 per solved layer group: every row (clients, history) and the fair row
+    have a non-negative dot product with d_g, up to tol relative, unless d_g is zero."""
     d, h = direction.d.cpu().numpy(), fair_weights(losses)
     checked = 0
     for grp in direction.groups:
@@ -96,9 +96,9 @@ def test_invariant_float32_updates():
 
 
 def test_fair_row_is_normalised_not_raw():
-    """SPEC §5.8 also names g_P = sum h_k g_k; the rule guarantees the fair row built from the
-    normalised slices (p_l), not the raw g_P: a documented difference, checked here so that a
-    change of the rule is noticed."""
+    """docs/ALGORITHMS.md §5.8 also names g_P = sum h_k g_k; the rule guarantees the fair row built
+    from the normalised slices (p_l), not the raw g_P: a documented difference, checked here so that
+    a change of the rule is noticed."""
     rng = np.random.default_rng(1)
     worst = 0.0
     for _ in range(60):

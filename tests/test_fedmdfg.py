@@ -1,7 +1,7 @@
-"""FedMDFG (SPEC §7): the step against an independent direct float64 implementation (explicit
-d-space rows, a direct cvxopt solve on Q Q^T, the line search on toy quadratic client losses)
-over several rounds with partial participation; a hand-checked 2-client case in 2-D; the line
-search's guarantee and its fallbacks; when the fair guidance fires; degenerate rounds; the
+"""FedMDFG (docs/ALGORITHMS.md §7): the step against an independent direct float64 implementation
+(explicit d-space rows, a direct cvxopt solve on Q Q^T, the line search on toy quadratic client
+losses) over several rounds with partial participation; a hand-checked 2-client case in 2-D; the
+line search's guarantee and its fallbacks; when the fair guidance fires; degenerate rounds; the
 number of loss_at calls; state round trips through HDF5 with identical continuation."""
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def cvxopt_simplex(P):
 
 
 class DirectFedMDFG:
-    """SPEC §7 / the reference code's round, written out in d-space (float64), without the
-    Gram form: explicit rescaled gradients, fair row and history rows, Q Q^T, cvxopt."""
+    """docs/ALGORITHMS.md §7 (FedMDFG, Pan et al. 2023) / the reference code's round, written out in
+    d-space (float64), without the Gram form: explicit rescaled gradients, fair row and history
+    rows, Q Q^T, cvxopt."""
 
     def __init__(self, theta=11.25, s=5):
         self.theta, self.s = theta, s

@@ -1,4 +1,4 @@
-"""A disk that fills, or fails, during a run (issue 28 item 2): every write of results,
+"""A disk that fills, or fails, during a run: every write of results,
 checkpoints, live logs and exports ends in one line naming the path, keeps the last good state
 and leaves no temporary file; every rank exits 2 (no segfault, no h5py noise), and once space
 is freed `mpifl resume` ends with the model of an uninterrupted run, bit for bit. A live logger
@@ -89,6 +89,7 @@ def run_and_fill(job: Path, out: Path, leave: int, *args: str) -> subprocess.Com
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("leave,what", [(0, "results file|checkpoint"), (45_000, "checkpoint")],
                          ids=["next-write", "during-checkpoint"])
 def test_a_disk_filled_during_the_run_ends_cleanly_and_resumes_exactly(job, reference, tmpfs,
@@ -124,6 +125,7 @@ def test_a_disk_filled_during_the_run_ends_cleanly_and_resumes_exactly(job, refe
     assert not temporaries(mnt)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("leave", [0, 12_000], ids=["empty", "almost-full"])
 def test_a_disk_full_at_start_fails_in_one_line_naming_the_path(job, tmpfs, leave):
     """0 bytes: not even the run lock fits; 12 KB: the lock fits, the first results file not."""
@@ -187,6 +189,7 @@ def test_the_csv_logger_on_a_full_disk_warns_once_keeps_whole_rows(tmpfs, caplog
     assert (len(rows) >= 5) == (when == "mid-run")
 
 
+@pytest.mark.mpi
 def test_an_export_to_a_full_disk_fails_in_one_line_and_keeps_nothing(reference, tmpfs):
     from mpifl.report.export import export
 
@@ -233,6 +236,7 @@ def shrinking_disk(tmp_path):
         subprocess.run(["losetup", "-d", dev], capture_output=True)
 
 
+@pytest.mark.mpi
 def test_an_io_error_during_the_run_ends_every_rank_in_one_line(job, shrinking_disk):
     mnt, shrink = shrinking_disk
     out = mnt / "run.h5"

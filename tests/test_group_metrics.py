@@ -1,5 +1,6 @@
 """Group fairness in evaluations: counts summed over clients give the violations on the union
-of test data (SPEC §4, §10), on 1 and 3 MPI ranks, checked against a direct computation."""
+of test data (docs/ALGORITHMS.md §4, §10), on 1 and 3 MPI ranks, checked against a direct
+computation."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def run(ranks: int, out: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.mpi
 def test_adult_evaluations_match_a_direct_computation(tmp_path):
     if not SHARED.is_dir():
         pytest.fail(f"{SHARED} missing: the shared test data sits beside the repository")

@@ -40,7 +40,8 @@ def test_a_mismatch_names_every_group_of_ranks():
         "ranks run different mpifl installs: ranks 0, 3 /a/mpifl (python /x/bin/python3.11 "
         "3.11.7, mpifl 0.1.0); ranks 1-2 /b/mpifl (python /x/bin/python3.11 3.11.7, mpifl "
         "0.1.0); start every rank with the same interpreter and environment, e.g. mpiexec -n 4 "
-        '"$(command -v python)" -m mpifl ... (README "Which mpifl each rank runs")')
+        '"$(command -v python)" -m mpifl ... (docs/guides/running.md "Which mpifl each rank '
+        'runs")')
 
 
 def test_another_interpreter_with_the_same_package_is_a_mismatch():
@@ -77,6 +78,7 @@ def job(tmp_path_factory) -> Path:
         partition='partition = "shards"', algorithm="fedavg"))
 
 
+@pytest.mark.mpi
 def test_ranks_with_another_install_end_the_run_on_every_rank(job, tmp_path):
     """MPMD: rank 0 runs this install, ranks 1-2 a copy of the package (a real second
     install). Every rank exits 2, one line names both groups, nothing is written."""
@@ -100,7 +102,8 @@ def test_ranks_with_another_install_end_the_run_on_every_rank(job, tmp_path):
     assert lines == [f"mpifl: error: ranks run different mpifl installs: rank 0 {PACKAGE} "
                      f"{python}; ranks 1-2 {copy / 'mpifl'} {python}; start every rank with the "
                      'same interpreter and environment, e.g. mpiexec -n 3 "$(command -v python)" '
-                     '-m mpifl ... (README "Which mpifl each rank runs")'], proc.stderr[-3000:]
+                     '-m mpifl ... (docs/guides/running.md "Which mpifl each rank runs")'
+                     ], proc.stderr[-3000:]
     assert sorted(line for line in proc.stderr.splitlines() if " exit " in line) == [
         "rank 0 exit 2", "rank 1 exit 2", "rank 2 exit 2"]
     assert not out.exists() and not Path(f"{out}.ckpt").exists()

@@ -1,4 +1,4 @@
-"""A lazy population (issue 27, item 1, the data layer): K = 10^6 Synthetic(1, 1) clients
+"""A lazy population (the data layer): K = 10^6 Synthetic(1, 1) clients
 without their samples in memory, each client's window bit-identical to the eager data.
 
 The eager :func:`mpifl.data.load_federated` is the oracle: every client's samples, labels and

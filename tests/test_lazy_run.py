@@ -1,4 +1,4 @@
-"""A run on a lazy population (issue 27, item 1: ``data.lazy = true``): each rank draws only the
+"""A run on a lazy population (``data.lazy = true``): each rank draws only the
 clients of each request (a worker's block of the round, a sampled evaluation, a window of a
 streamed full evaluation) into its trainer's sample store.
 
@@ -95,6 +95,7 @@ def assert_same_results(lazy: Path, eager: Path) -> None:
     assert compared >= 20
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("algorithm, ranks", [("fedfv", 3), ("fedavg", 1)])
 def test_a_lazy_run_equals_the_eager_run(tmp_path, ranks, algorithm):
     sets = [f"server.algorithm={algorithm}"]

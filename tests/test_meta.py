@@ -1,5 +1,6 @@
-"""FedMeta (Yao et al. 2019, SPEC §6): the meta set, the meta step against a plain autograd
-computation, the fedmeta aggregator, and the [uga] / [fedmeta] / server.meta config keys."""
+"""FedMeta (Yao et al. 2019, docs/ALGORITHMS.md §6): the meta set, the meta step against a plain
+autograd computation, the fedmeta aggregator, and the [uga] / [fedmeta] / server.meta config
+keys."""
 
 import copy
 

@@ -1,6 +1,6 @@
-"""mFairFL's server (SPEC §4): the GradVac rule, the Gram form against a direct per-pair oracle
-with dict goals, hand-checked cases, the multiplier update, sparse goals, state round trips and
-the config table."""
+"""mFairFL's server (docs/ALGORITHMS.md §4): the GradVac rule, the Gram form against a direct
+per-pair oracle with dict goals, hand-checked cases, the multiplier update, sparse goals, state
+round trips and the config table."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from mpifl.core.errors import ConfigError
 from tests.helpers import h5_round_trip
 
 
-# ---- the direct oracle: SPEC §4's loop, literally, on d-dimensional vectors -------------------
+# ---- the direct oracle: docs/ALGORITHMS.md §4's loop, literally, on d-dimensional vectors ------
 
 class DirectMFairFL:
     """Per client, per target, in the updates' dtype; goals in a dict keyed by (id_i, id_j)."""
@@ -124,7 +124,8 @@ def with_goals(agg: MFairFL, goals: dict) -> MFairFL:
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 def test_one_adjustment_sets_cosine_to_goal(dtype, tol):
-    """SPEC "Done when": after one GradVac adjustment cos(g_i, u_j) equals phi_hat to 1e-6."""
+    """docs/ALGORITHMS.md §4 (GradVac, Wang et al. 2021): after one adjustment cos(g_i, u_j) equals
+    phi_hat to 1e-6."""
     rng = np.random.default_rng(0)
     done = 0
     for _ in range(200):

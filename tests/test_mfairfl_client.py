@@ -1,5 +1,5 @@
-"""mFairFL's client side (SPEC §4): the Lagrangian local training of LagrangianTrainer against
-direct per-client computations (autograd, a torch.optim.SGD loop), the reported constraint
+"""mFairFL's client side (docs/ALGORITHMS.md §4): the Lagrangian local training of LagrangianTrainer
+against direct per-client computations (autograd, a torch.optim.SGD loop), the reported constraint
 values, and end-to-end runs on Adult under mpiexec (ranks, resume)."""
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def direct_lagrangian(net, x, y, s, lam, notion, num_groups, eps):
 
 def oracle_round(model, x, y, s, w, lam, *, notion, eps, num_groups, round, lr, client_ids,
                  sample_idx, epochs, batch_size, momentum=0.0, weight_decay=0.0, seed=0):
-    """One client at a time, torch.optim.SGD on the minibatch Lagrangian (SPEC §1, §4); returns
-    updates, Lagrangian losses and constraint values at w on the whole split."""
+    """One client at a time, torch.optim.SGD on the minibatch Lagrangian
+    (docs/ALGORITHMS.md §1, §4); returns updates, Lagrangian losses and constraint values at w on
+    the whole split."""
     updates, losses, cons = [], [], []
     for cid, idx in zip(client_ids, sample_idx):
         net = copy.deepcopy(model)
@@ -391,6 +392,7 @@ def reference(adult_job, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_runs_under_mpiexec_on_adult_with_group_metrics(reference):
     with h5py.File(reference, "r") as f:
@@ -407,6 +409,7 @@ def test_runs_under_mpiexec_on_adult_with_group_metrics(reference):
     assert (ckpt.aggregator["multipliers"] > 0).any()
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_one_and_three_ranks_agree(reference, adult_job, tmp_path):
     out = tmp_path / "one.h5"
@@ -418,6 +421,7 @@ def test_one_and_three_ranks_agree(reference, adult_job, tmp_path):
     np.testing.assert_allclose(a["eval/group/dp"], b["eval/group/dp"], rtol=0, atol=1e-12)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_resume_is_exact(reference, adult_job, tmp_path):
     out = tmp_path / "part.h5"

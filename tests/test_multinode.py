@@ -32,6 +32,8 @@ from mpifl.core.errors import EXIT_PEER_LOST
 from tests.helpers import mpiexec, small_fmnist_job, write_fmnist_job
 from tests.test_slurm import SCRIPT, free_port_pair
 
+pytestmark = pytest.mark.slurm  # starts the SLURM cluster: one at a time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -1,4 +1,4 @@
-"""Partitions (SPEC section 8), per-client train/test splits, Synthetic(alpha, beta), and
+"""Partitions (docs/ALGORITHMS.md §8), per-client train/test splits, Synthetic(alpha, beta), and
 load_federated end to end."""
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_pathological_rule_first_free_clients():
 
 def test_pathological_uneven_leaves_last_client_short():
     # K = 10, k = 3: m = 3 and the first free clients fill up in threes (0-2, 3-5, 6-8), so
-    # class 9 is all that is left for client 9 (SPEC's rule taken literally).
+    # class 9 is all that is left for client 9 (docs/ALGORITHMS.md §8's rule taken literally).
     y = balanced_labels()
     parts = P.pathological(y, 10, rng(), classes_per_client=3, num_classes=C)
     assert_disjoint_cover(parts, len(y))

@@ -257,6 +257,7 @@ def _final_model(path: Path) -> np.ndarray:
         return f["model/global"][()]
 
 
+@pytest.mark.mpi
 def test_example_runs_under_mpi_resumes_and_matches_one_process(outside, tmp_path):
     """From outside the repository: 3 MPI ranks == 1 process; 10 rounds then resume to 20 ==
     20 rounds straight."""

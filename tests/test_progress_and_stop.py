@@ -147,6 +147,7 @@ def rounds_and_evals(path: Path) -> tuple[list, list, str]:
                 str(f.attrs["status"]))
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks, rounds", [
     (1, 3),  # resumed: the evaluation after round 2, then round 3
     pytest.param(3, 2, marks=pytest.mark.slow),  # resumed: the last evaluation, nothing after

@@ -12,6 +12,8 @@ from mpifl.aggregators import available
 from tests.helpers import small_fmnist_job, write_fmnist_job
 from tests.test_run import run_mpifl
 
+pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
+
 JOB = small_fmnist_job("protocol", seed=5, rounds=4, eval_every=2, checkpoint_every=2,
                        partition='partition = "dirichlet"\ndirichlet_alpha = 0.5',
                        algorithm="fedmdfg")

@@ -1,7 +1,8 @@
-"""Behaviour did not change with the build-once redesign (issue 25): runs made by the code from
-before it began (commit :data:`BEFORE`, extracted with ``git archive``) and by today's code equal
-each other bit for bit on this machine: every rule on a small job, the main job under mpiexec -n 3
-(3 rounds), a sharded server (``server.shards = 2``) and a killed-and-resumed run.
+"""Behaviour did not change with the build-once redesign (one frozen plan, ``Needs``): runs
+made by the code from before it began (commit :data:`BEFORE`, extracted with ``git archive``) and by
+today's code equal each other bit for bit on this machine: every rule on a small job, the main job
+under mpiexec -n 3 (3 rounds), a sharded server (``server.shards = 2``) and a killed-and-resumed
+run.
 
 "Equal" means every HDF5 dataset of the results files (the rounds table, every evaluation's
 per-client arrays, the final model) holds the same bytes, except wall-clock times and memory
@@ -30,7 +31,7 @@ from mpifl.aggregators import available
 from tests.helpers import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The last commit before issue 25's redesign began (its first change was the rule's needs).
+#: The last commit before the build-once redesign began (its first change was the rule's needs).
 BEFORE = "99b66da"
 MAIN = ROOT / "jobs" / "fmnist-fedfv.toml"
 ADULT = ROOT / "jobs" / "mfairfl-adult.toml"
@@ -157,6 +158,7 @@ def test_the_old_code_runs_from_its_own_tree(tmp_path):
     assert probe.stdout.strip().startswith(str(tmp_path / "before"))
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("run", [name for name, _ in _rule_jobs()] + RUNS)
 def test_runs_are_bit_identical_to_the_recording(recorded, run):
     before, folder = recorded

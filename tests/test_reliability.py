@@ -1,4 +1,4 @@
-"""Reliability around a run (issue 19): one writer per run, bounded time to fail on any rank,
+"""Reliability around a run: one writer per run, bounded time to fail on any rank,
 no results truncated before the resume point is known, full disks, checksums on read, SIGINT,
 stale temporaries and path tricks. Real MPI ranks (mpiexec), real HDF5 files on real
 Fashion-MNIST, a real small tmpfs for the full disk (mounted here as root, skipped otherwise).
@@ -116,6 +116,7 @@ def tmpfs(tmp_path):
 
 # -- 1. one writer per run ---------------------------------------------------------------------
 
+@pytest.mark.mpi
 def test_a_second_writer_is_refused_and_the_live_run_survives(job, tmp_path):
     out = tmp_path / "live.h5"
     live = subprocess.Popen(cmd(2, "run", job, "--out", out, "--set", "run.rounds=100000",
@@ -169,6 +170,7 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
 
 # -- 2. bounded time to fail, on every rank ----------------------------------------------------
 
+@pytest.mark.mpi
 def test_setup_failures_on_rank_0_end_every_rank_with_one_line(finished, tmp_path):
     run = copy_run(finished, tmp_path)
     t0 = time.monotonic()
@@ -184,6 +186,7 @@ def test_setup_failures_on_rank_0_end_every_rank_with_one_line(finished, tmp_pat
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.mpi
 def test_a_checkpoint_with_damaged_hdf5_metadata_falls_back_to_the_previous(finished, tmp_path):
     run = copy_run(finished, tmp_path)
     newest = checkpoint.load_latest(checkpoint.folder_for(run)).path
@@ -197,6 +200,7 @@ def test_a_checkpoint_with_damaged_hdf5_metadata_falls_back_to_the_previous(fini
     np.testing.assert_array_equal(model_of(run), model_of(finished))
 
 
+@pytest.mark.mpi
 def test_a_full_disk_under_mpi_ends_every_rank_with_one_line(job, tmpfs):
     mnt = tmpfs("256k")
     out = mnt / "full.h5"
@@ -338,6 +342,7 @@ def test_old_files_are_read_and_impossible_values_refused(finished, tmp_path):
 
 # -- 7. SIGINT, stale temporaries, path tricks ---------------------------------------------------
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_sigint_checkpoints_and_exits_3_then_resume_is_exact(finished, job, tmp_path, ranks):
     """Ctrl-C: to the process, or to mpiexec's process group (hydra forwards it to the ranks)."""

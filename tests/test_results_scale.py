@@ -145,7 +145,7 @@ def test_lazy_runs_of_different_k_align_and_pad(big, tmp_path):
     finally:
         ds.close()
     with pytest.raises(OutputError, match="closed"):
-        ds["loss"].isel(run=0, eval_round=0, client=0).values
+        _ = ds["loss"].isel(run=0, eval_round=0, client=0).values
 
 
 def test_contiguous_files_of_older_mpifl_still_load(tmp_path, monkeypatch):

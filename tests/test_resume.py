@@ -110,6 +110,7 @@ def kill_job_after(cmd: list[str], seconds: float) -> int | None:
     return proc.returncode  # finished before the kill
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sigkill_at_random_points_then_resume_is_bit_exact(job, reference, tmp_path):
     ref, duration = reference
@@ -125,6 +126,7 @@ def test_sigkill_at_random_points_then_resume_is_bit_exact(job, reference, tmp_p
     assert killed >= 2, f"the job finished before most kill points {points}"
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_sigterm_checkpoints_exits_3_and_resume_is_exact(job, reference, tmp_path):
     ref, _ = reference
@@ -147,6 +149,7 @@ def test_sigterm_checkpoints_exits_3_and_resume_is_exact(job, reference, tmp_pat
     assert_same(out, ref)
 
 
+@pytest.mark.mpi
 def test_resume_on_another_world_size_agrees(job, reference, tmp_path):
     ref, _ = reference
     out = tmp_path / "w.h5"
@@ -157,6 +160,7 @@ def test_resume_on_another_world_size_agrees(job, reference, tmp_path):
     np.testing.assert_allclose(a["model/global"], b["model/global"], atol=1e-5)
 
 
+@pytest.mark.mpi
 def test_changed_config_on_resume_is_refused_with_the_differences(job, reference, tmp_path):
     ref, _ = reference
     out = tmp_path / "c.h5"
@@ -171,6 +175,7 @@ def test_changed_config_on_resume_is_refused_with_the_differences(job, reference
     run(1, "run", str(job), "--out", str(out), "--resume", "--set", "run.rounds=3")  # allowed
 
 
+@pytest.mark.mpi
 def test_nan_clients_are_rejected_and_counted(job, tmp_path):
     out = tmp_path / "nan.h5"
     run(3, "run", str(job), "--out", str(out), "--set", "run.rounds=6",
@@ -198,6 +203,7 @@ def test_a_round_where_every_update_is_rejected_leaves_the_model(job, tmp_path):
         assert np.array_equal(f["model/global"][()], initial)
 
 
+@pytest.mark.mpi
 def test_dropout_is_keyed_and_counted(job, tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     run(1, "run", str(job), "--out", str(a), "--set", "run.rounds=6", "--set", "client.dropout=0.5")
@@ -210,6 +216,7 @@ def test_dropout_is_keyed_and_counted(job, tmp_path):
         assert np.array_equal(g["eval/client_accuracy"][()], f["eval/client_accuracy"][()])
 
 
+@pytest.mark.mpi
 def test_a_killed_worker_rank_ends_the_job_quickly(job, tmp_path):
     out = tmp_path / "dead.h5"
     proc = subprocess.Popen(command(3, "run", str(job), "--out", str(out), "--set", "run.rounds=400"),

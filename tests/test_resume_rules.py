@@ -16,6 +16,8 @@ from mpifl.aggregators import available
 from tests.helpers import kill_tree, small_fmnist_job, write_fmnist_job
 from tests.test_resume import ENV, assert_same, command, run
 
+pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
+
 JOB = small_fmnist_job("rules", seed=7, rounds=8, eval_every=2, checkpoint_every=1,
                        partition='partition = "shards"', algorithm="fedavg")
 

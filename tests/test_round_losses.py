@@ -1,4 +1,4 @@
-"""Compute only what the round needs (issue 16): rules declare ``needs.losses``; without it the
+"""Compute only what the round needs: rules declare ``needs.losses``; without it the
 trainer skips the pre-training forward pass and reports the first epoch's training loss.
 Rules that read the losses get exactly (bit for bit) the pre-training pass's values, as before."""
 

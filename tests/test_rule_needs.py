@@ -1,4 +1,4 @@
-"""A rule declares its needs once (issue 25, item 1): one frozen ``Needs`` record, opt-in
+"""A rule declares its needs once: one frozen ``Needs`` record, opt-in
 protocols for what only one or two rules need, and no code that tests a rule's name."""
 
 from __future__ import annotations

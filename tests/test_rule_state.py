@@ -1,5 +1,6 @@
-"""The rule state check (issue 26): every rule resumes exactly from its state_dict(), and a rule
-that keeps state without declaring it is named in one line — in a test and on the CLI."""
+"""The rule state check (:mod:`mpifl.bench.statecheck`): every rule resumes exactly from its
+state_dict(), and a rule that keeps state without declaring it is named in one line — in a test and
+on the CLI."""
 
 from __future__ import annotations
 

@@ -72,6 +72,7 @@ def runs(small_job, tmp_path_factory) -> dict[int, Path]:
     return out
 
 
+@pytest.mark.mpi
 def test_results_file_has_the_documented_layout(runs):
     with h5py.File(runs[3], "r") as f:
         assert f.attrs["status"] == "complete" and f.attrs["world_size"] == 3
@@ -101,6 +102,7 @@ def test_results_file_has_the_documented_layout(runs):
         assert f["clients/num_test"].shape == (12,) and f["eval/std"].attrs["unit"].startswith("fraction")
 
 
+@pytest.mark.mpi
 def test_one_two_three_ranks_give_the_same_accuracies(runs):
     acc = {n: h5py.File(p, "r")["eval/client_accuracy"][()] for n, p in runs.items()}
     model = {n: h5py.File(p, "r")["model/global"][()] for n, p in runs.items()}
@@ -110,6 +112,7 @@ def test_one_two_three_ranks_give_the_same_accuracies(runs):
     assert acc[1][-1].mean() > 0.3  # it learned something in 4 rounds (10 classes: chance 0.1)
 
 
+@pytest.mark.mpi
 def test_report_prints_runs_side_by_side(runs, capsys):
     assert main(["report", str(runs[1]), str(runs[3])]) == 0
     out = capsys.readouterr().out
@@ -128,6 +131,7 @@ def test_fedavg_override_runs_in_one_process(tmp_path):
     assert main(["report", str(out)]) == 0
 
 
+@pytest.mark.mpi
 def test_existing_output_is_not_replaced_without_overwrite(small_job, runs, capsys):
     before = runs[1].read_bytes()
     assert main(["run", str(small_job), "--out", str(runs[1])]) == 2

@@ -12,6 +12,8 @@ import pytest
 from tests.helpers import write_fmnist_job
 from tests.test_run import SMALL, run_mpifl
 
+pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "analysis" / "run_profile.py"
 

@@ -1,4 +1,4 @@
-"""run.eval_clients (issue 27, item 2): each evaluation tests a keyed random subset of N clients.
+"""run.eval_clients: each evaluation tests a keyed random subset of N clients.
 
 The oracle is the full evaluation: a run with the option trains the same model (evaluation
 changes nothing of training), and its tested clients' values equal the full run's at those
@@ -94,6 +94,7 @@ def same_clients(a: np.ndarray, b: np.ndarray) -> bool:
     return np.array_equal(np.isnan(a), np.isnan(b))
 
 
+@pytest.mark.mpi
 def test_tested_clients_equal_the_full_evaluation_and_the_rest_are_nan(runs):
     full, sub = read(runs / "full.h5"), read(runs / "sub.h5")
     assert np.array_equal(full["model"], sub["model"])  # the option changes no trained model
@@ -106,6 +107,7 @@ def test_tested_clients_equal_the_full_evaluation_and_the_rest_are_nan(runs):
     assert not np.array_equal(sub["mean"], full["mean"])  # an estimate, not the full figure
 
 
+@pytest.mark.mpi
 def test_mpi_ranks_evaluate_the_same_clients_as_one_process_and_as_the_full_evaluation(runs):
     one, three, full3 = (read(runs / f) for f in ("sub.h5", "sub3.h5", "full3.h5"))
     assert same_clients(one["client_accuracy"], three["client_accuracy"])
@@ -117,6 +119,7 @@ def test_mpi_ranks_evaluate_the_same_clients_as_one_process_and_as_the_full_eval
                                    rtol=1e-6)
 
 
+@pytest.mark.mpi
 def test_the_report_says_the_metrics_are_estimates(runs):
     out = subprocess.run([sys.executable, "-m", "mpifl", "report", str(runs / "sub.h5")],
                          capture_output=True, text=True, timeout=120)
@@ -125,6 +128,7 @@ def test_the_report_says_the_metrics_are_estimates(runs):
     assert "client 0 (%)" not in out.stdout  # no per-client column of mostly untested clients
 
 
+@pytest.mark.mpi
 def test_a_resumed_run_draws_the_same_clients(tmp_path, runs):
     run(tmp_path, "resumed.h5", f"run.eval_clients={N}", "run.rounds=2")
     run(tmp_path, "resumed.h5", "--rounds", "4", command="resume")
@@ -133,6 +137,7 @@ def test_a_resumed_run_draws_the_same_clients(tmp_path, runs):
         assert np.array_equal(resumed[name], straight[name], equal_nan=True), name
 
 
+@pytest.mark.mpi
 def test_personal_and_adapted_evaluations_are_sampled_alike_on_every_rank(tmp_path):
     sets = [f"run.eval_clients={N}", "server.algorithm=ditto", "run.adapt_epochs=1",
             "run.rounds=2"]

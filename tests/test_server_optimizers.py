@@ -1,4 +1,4 @@
-"""Server optimizers (issue 26): FedAvgM, FedAdagrad, FedAdam, FedYogi after any rule, against
+"""Server optimizers: FedAvgM, FedAdagrad, FedAdam, FedYogi after any rule, against
 the update equations of Reddi et al. (ICLR 2021, Algorithm 2) written out by hand per
 coordinate, their state through checkpoints, and whole runs under mpiexec."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import h5py
 import numpy as np
 import pytest
 import torch
@@ -94,6 +93,7 @@ def adam_job(tmp_path_factory):
     return write_fmnist_job(tmp_path_factory, "adam.toml", text)
 
 
+@pytest.mark.mpi
 @pytest.mark.slow
 def test_fedadam_on_fedfv_under_mpi_equals_one_process_and_resumes_exactly(adam_job, tmp_path):
     from tests.test_ditto import kill_mid_run

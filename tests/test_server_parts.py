@@ -1,4 +1,5 @@
-"""Pure pieces of the round: metrics (SPEC §10), client sampling (SPEC §1), rank blocks."""
+"""Pure pieces of the round: metrics (docs/ALGORITHMS.md §10), client sampling
+(docs/ALGORITHMS.md §1), rank blocks."""
 
 from __future__ import annotations
 

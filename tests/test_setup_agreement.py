@@ -1,8 +1,8 @@
-"""Set-up is one agreed phase (issue 28, item 1): a failure on one rank during set-up — an
-exception in a plugin's import or in a data set's loader, a rank stopped with SIGSTOP, a signal
-to the job — ends every rank within seconds with that rank's one line and one status (2; 130
-for SIGINT; 3 for SIGTERM/SIGUSR1), never a hang and never the 3 that mpiexec's OR of 2 and 1
-used to give. Real ranks (mpiexec -n 3), a real plugin module, real signals.
+"""Set-up is one agreed phase (docs/ARCHITECTURE.md, "Set-up, agreed on every rank"): a
+failure on one rank during set-up — an exception in a plugin's import or in a data set's loader, a
+rank stopped with SIGSTOP, a signal to the job — ends every rank within seconds with that rank's one
+line and one status (2; 130 for SIGINT; 3 for SIGTERM/SIGUSR1), never a hang and never the 3 that
+mpiexec's OR of 2 and 1 used to give. Real ranks (mpiexec -n 3), a real plugin module, real signals.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import kill_tree, mpiexec, process_tree
+
+pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
 
 #: A plugin whose behaviour on one rank is chosen by the environment: MPIFL_FAULT is
 #: "<where>:<what>:<rank>" (where: import, data; what: raise, stop, wait).

@@ -92,11 +92,12 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.mpi
 def test_an_unreachable_init_bound_is_refused_on_every_rank(fmnist_job, tmp_path):
-    job = tmp_path / "short.toml"
-    job.write_text(fmnist_job.read_text().replace("[run]", "[run]\ninit_timeout_s = 0.001"))
+    short = tmp_path / "short.toml"
+    short.write_text(fmnist_job.read_text().replace("[run]", "[run]\ninit_timeout_s = 0.001"))
     out = tmp_path / "run.h5"
-    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(job),
+    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(short),
                            "--out", str(out), "--no-progress"], capture_output=True, text=True,
                           env=env(), timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -106,6 +107,7 @@ def test_an_unreachable_init_bound_is_refused_on_every_rank(fmnist_job, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.mpi
 def test_a_rank_that_never_reaches_mpi_init_is_named(fmnist_job, tmp_path):
     """MPMD: rank 1 sleeps and never calls MPI_Init; ranks 0 and 2 wait in it. After
     run.init_timeout_s = 5 s one line names rank 1 (not the ranks that waited) and the job
@@ -132,6 +134,7 @@ def test_a_rank_that_never_reaches_mpi_init_is_named(fmnist_job, tmp_path):
     assert not out.exists() and not Path(f"{out}.ckpt").exists()
 
 
+@pytest.mark.mpi
 def test_rank_0_stopped_during_set_up_is_named_by_rank_1(job, tmp_path):  # noqa: F811
     """After MPI_Init: rank 0 is SIGSTOPped while loading the data; rank 1 names it (rank 0
     names missing workers: tests/test_setup_agreement.py) and the job ends with status 2."""

@@ -1,6 +1,6 @@
-"""The sharded server at run time (issue 14, ``server.shards``): whole runs with P shard ranks
-against the one-rank server on real Fashion-MNIST under real mpiexec, checkpoints written as
-one file per shard, resume with the same or another P, and the errors of bad setups.
+"""The sharded server at run time (``server.shards``, docs/ARCHITECTURE.md): whole runs with P
+shard ranks against the one-rank server on real Fashion-MNIST under real mpiexec, checkpoints
+written as one file per shard, resume with the same or another P, and the errors of bad setups.
 
 The oracle is the unsharded server (``server.shards = 1``, rank 0 aggregating the whole
 matrix): its arithmetic differs only in the order of float additions, so models agree to
@@ -92,6 +92,7 @@ def one_rank_server(job: Path, algorithm: str, ranks: int = 3) -> dict:
     return contents(out)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("algorithm,ranks,shards", [
     ("fedfv", 3, 3),        # every rank a shard; FedFV's history ring is sharded state
     ("fedlf", 4, 2),        # rank 3 trains only; FedLF's layer-wise QP from allsummed Grams
@@ -107,6 +108,7 @@ def test_sharded_run_equals_the_one_rank_server(job, algorithm, ranks, shards):
                      for s in ["", *(f"shard-{j}." for j in range(shards))]]
 
 
+@pytest.mark.mpi
 def test_resume_with_the_same_p_is_exact_and_with_another_p_close(job):
     full = job.parent / "full-p3.h5"
     run(3, "run", str(job), "--out", str(full), "--set", "server.shards=3")
@@ -125,6 +127,7 @@ def test_resume_with_the_same_p_is_exact_and_with_another_p_close(job):
             assert_same_run(got, one_rank_server(job, "fedfv"), same_ranks=False)
 
 
+@pytest.mark.mpi
 def test_a_one_rank_checkpoint_resumes_sharded(job):
     part = job.parent / "from-unsharded.h5"
     run(3, "run", str(job), "--out", str(part), "--set", "run.rounds=8")
@@ -132,6 +135,7 @@ def test_a_one_rank_checkpoint_resumes_sharded(job):
     assert_same_run(contents(part), one_rank_server(job, "fedfv"), same_ranks=False)
 
 
+@pytest.mark.mpi
 def test_a_missing_shard_file_falls_back_to_the_previous_checkpoint(job):
     part = job.parent / "missing-shard.h5"
     run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
@@ -150,6 +154,7 @@ def test_a_missing_shard_file_falls_back_to_the_previous_checkpoint(job):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
+@pytest.mark.mpi
 def test_a_damaged_shard_file_ends_every_rank_with_one_line(job):
     part = job.parent / "damaged-shard.h5"
     run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
@@ -168,6 +173,7 @@ def test_a_damaged_shard_file_ends_every_rank_with_one_line(job):
     assert part.read_bytes() == before
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("sets,ranks,message", [
     (["server.algorithm=ditto"], 3, "ditto cannot run on a sharded server"),
     (["server.meta=true"], 3, "FedMeta's meta step"),

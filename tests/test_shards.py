@@ -1,5 +1,6 @@
-"""The sharded server's aggregation (issue 14): coordinate blocks, clipped layer maps, and every
-shard-supporting rule's sharded step against the same rule on one rank, under real mpiexec."""
+"""The sharded server's aggregation (docs/ARCHITECTURE.md, "Sharded server"): coordinate
+blocks, clipped layer maps, and every shard-supporting rule's sharded step against the same rule on
+one rank, under real mpiexec."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_every_rule_says_whether_it_supports_shards():
         assert rule(name).needs.shards_note, name
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks,flags", [(2, []), (3, []), (4, []), (3, ["--nonblocking"])])
 def test_sharded_steps_equal_the_one_rank_steps(ranks, flags):
     out = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), *flags],

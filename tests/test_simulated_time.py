@@ -133,6 +133,7 @@ def test_only_available_clients_are_selected_and_the_state_round_trips():
 # --------------------------------------------------------------------------- whole runs
 
 
+@pytest.mark.mpi
 def test_runs_on_simulated_time_resume_exactly_on_one_and_three_ranks(job, tmp_path):
     one, three, part = tmp_path / "one.h5", tmp_path / "three.h5", tmp_path / "part.h5"
     _cli(["run", str(job), "--out", str(one)], tmp_path)

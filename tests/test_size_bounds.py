@@ -1,4 +1,4 @@
-"""Every size in the config has a bound checked before work starts (issue 28, item 4): the
+"""Every size in the config has a bound checked before work starts: the
 memory estimate of :mod:`mpifl.experiment.budget` refuses, in one line and within seconds, a
 config that would not fit in this node's memory, naming the key, its value and the memory; the
 estimate is kept honest against the data and model actually built."""

@@ -24,6 +24,8 @@ import h5py
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slurm  # starts the SLURM cluster: one at a time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "slurm" / "local-cluster.sh"
 SMOKE = ROOT / "jobs" / "sweep-smoke.toml"
@@ -157,7 +159,7 @@ def test_one_run_template(cluster, tmp_path):
 
 
 def test_a_set_up_failure_on_one_rank_is_not_requeued(cluster, tmp_path):
-    """Issue 28: a plugin that raises on rank 1 only ends the run-template job with rank 1's
+    """A plugin that raises on rank 1 only ends the run-template job with rank 1's
     line and status 2, once: no retry, no requeue (only status 3 is requeued)."""
     from tests.test_setup_agreement import JOB, PLUGIN
 

@@ -40,7 +40,7 @@ def _pool(name: str, seed: int = 0, **kwargs) -> DataPool:
 # --------------------------------------------------------------------------- registration
 
 def test_every_standin_is_registered_with_defaults_only():
-    for name, (real, factory) in S.STANDINS.items():
+    for name, (_real, factory) in S.STANDINS.items():
         loader = DATASET_LOADERS.get(name)
         assert lazy_factory(loader) is factory, name
         assert params_class(loader).model_validate({}) is not None  # empty [data.params] works

@@ -358,7 +358,7 @@ def test_run_ids_stay_inside_the_runs_folder(tmp_path):
 
 def test_auto_takes_the_launcher_that_fits_this_machine_best():
     best = choose("auto")
-    assert best.affinity() == max(c.affinity() for c in LAUNCHERS.values()) > 0
+    assert best.fit()[0] == max(c.fit()[0] for c in LAUNCHERS.values()) > 0
     from mpifl.sweep.launch.slurm import controller
 
     assert (best is SlurmLauncher) == (shutil.which("sbatch") is not None and controller()[0])

@@ -1,7 +1,7 @@
 """Tabular fairness data (Adult, COMPAS, German credit): row counts, stable feature widths,
 encoding, standardisation with training-pool statistics, checksums, the group_skew partition
-(SPEC §8) and the config keys. Reads the original files kept in ../shared/data beside the
-repository (see its README)."""
+(docs/ALGORITHMS.md §8) and the config keys. Reads the original files kept in ../shared/data beside
+the repository (see its README)."""
 
 from __future__ import annotations
 

@@ -129,6 +129,7 @@ def line_of(log: str) -> str:
     return lines[0]
 
 
+@pytest.mark.mpi
 def test_three_ranks_share_the_cores(job, tmp_path):
     """Plain ``mpiexec -n 3``, no OMP_NUM_THREADS: each rank its share (1 on 2 cores)."""
     log = run(job, tmp_path / "three.h5", 3)
@@ -143,6 +144,7 @@ def test_one_process_takes_every_core(job, tmp_path):
     assert line_of(log).startswith(f"threads: {expected_auto(1)} (auto: ")
 
 
+@pytest.mark.mpi
 def test_omp_num_threads_and_run_threads_are_honoured(job, tmp_path):
     log = run(job, tmp_path / "omp.h5", 3, omp="2")
     assert stored_threads(tmp_path / "omp.h5") == [2, 2, 2]

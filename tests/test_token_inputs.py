@@ -224,6 +224,7 @@ def test_model_check_runs_on_the_runs_own_token_ids(outside, monkeypatch):
 # --------------------------------------------------------------------------- whole runs
 
 
+@pytest.mark.mpi
 def test_char_lstm_plugin_trains_on_three_ranks_and_resumes_exactly(outside, tmp_path):
     one, three, part = tmp_path / "one.h5", tmp_path / "three.h5", tmp_path / "part.h5"
     log = _cli(["run", "job.toml", "--out", str(one)], outside).stderr

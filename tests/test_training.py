@@ -22,8 +22,9 @@ ATOL = 1e-5
 
 def oracle_train(model, x, y, w, *, round, lr, client_ids, sample_idx, epochs, batch_size,
                  momentum=0.0, weight_decay=0.0, seed=0, prox_mu=0.0):
-    """Obviously correct local training: one client at a time, torch.optim.SGD, SPEC §1
-    (with FedProx's proximal term ``(mu/2)||w_k - w||^2`` added to the loss when prox_mu > 0)."""
+    """Obviously correct local training: one client at a time, torch.optim.SGD,
+    docs/ALGORITHMS.md §1 (with FedProx's proximal term ``(mu/2)||w_k - w||^2`` added to the loss
+    when prox_mu > 0)."""
     updates, losses = [], []
     for cid, idx in zip(client_ids, sample_idx):
         net = copy.deepcopy(model)
@@ -130,7 +131,7 @@ def test_full_batch_single_epoch_is_one_gradient_step():
     model, layout, x, y, idx = setup(sizes=(13, 29, 40))
     got, want, _, w = run_both(model, layout, x, y, idx, epochs=1, batch_size=0, lr=0.3)
     assert_same(got, want)
-    # SPEC §1: with B = 0, E = 1 the update is exactly lr * grad F_k(w).
+    # docs/ALGORITHMS.md §1: with B = 0, E = 1 the update is exactly lr * grad F_k(w).
     for k, ix in enumerate(idx):
         net = copy.deepcopy(model)
         vector_to_parameters(w.clone(), net.parameters())

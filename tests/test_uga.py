@@ -1,4 +1,4 @@
-"""UGA (Yao et al. 2019, SPEC §6): UGATrainer against central finite differences of
+"""UGA (Yao et al. 2019, docs/ALGORITHMS.md §6): UGATrainer against central finite differences of
 ``w -> L(h_k(w); D_k)`` and against a plain per-client keep-trace autograd loop (the oracle);
 the UGA aggregator against its formula."""
 
@@ -34,7 +34,7 @@ def split(sizes, seed=0):
 
 def local_trace(model, layout, x, y, w, *, round, lr, cid, idx, epochs, batch_size, momentum=0.0,
                 weight_decay=0.0, seed=0, create_graph=False):
-    """h_k(w) of SPEC §6, one client, plain autograd: the first E-1 epochs of SPEC §1's SGD
+    """h_k(w) of docs/ALGORITHMS.md §6, one client, plain autograd: the first E-1 epochs of §1's SGD
     (torch.optim.SGD's rule written out out-of-place, so the trace stays differentiable)."""
     if not w.requires_grad:  # a plain evaluation of h_k (the minibatch gradients need a graph)
         w = w.detach().requires_grad_(True)
@@ -111,8 +111,9 @@ def assert_close(got, want, atol=1e-5):
 
 
 def test_gradient_matches_central_finite_differences_float64():
-    """SPEC §6 / issue 5: g_k = ∇_w L(h_k(w); D_k), checked against central differences of the
-    composite loss on a tiny logistic regression (4 -> 3), 2 clients, E = 3, B = 2, float64."""
+    """docs/ALGORITHMS.md §6 (UGA, Yao et al. 2019): g_k = ∇_w L(h_k(w); D_k), checked against
+    central differences of the composite loss on a tiny logistic regression (4 -> 3), 2 clients,
+    E = 3, B = 2, float64."""
     model, layout, x, y, idx, w = setup("logreg", shape=(4,), classes=3, sizes=(5, 8))
     x, w = x.double(), w.double()
     kw = dict(round=2, lr=0.5, epochs=3, batch_size=2, seed=7)

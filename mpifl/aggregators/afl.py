@@ -48,7 +48,7 @@ from mpifl.aggregators.qfedavg import check_losses
 from mpifl.core.params import Params
 
 
-def project_simplex(v) -> np.ndarray:
+def project_simplex(v: Any) -> np.ndarray:
     """Euclidean projection of ``v`` onto ``{x >= 0, sum x = 1}``, sort-based, O(K log K).
 
     With ``u`` = v sorted descending, ``rho = max{j : u_j - (sum_{i<=j} u_i - 1) / j > 0}`` and
@@ -93,8 +93,8 @@ class AFL(Aggregator):
                               "on rank 0; not adapted to shards yet")
 
     class Params(Params):
-        #: step size of the mixture weights lambda; ``eta_lambda = 0`` keeps them uniform.
         eta_lambda: float = Field(0.01, ge=0.0)
+        """Step size of the mixture weights lambda; ``eta_lambda = 0`` keeps them uniform."""
 
     def __init__(self, *, num_clients: int | None = None, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
@@ -171,7 +171,7 @@ class AFL(Aggregator):
         """The parameters to evaluate: the running average ``(1/t) sum_{i=1..t} w^i`` of the
         observed iterates, as a new tensor of ``w``'s shape, dtype and device; ``w`` itself
         (the same object) when nothing has been observed yet."""
-        if self._count == 0:
+        if self._count == 0 or self._sum is None:  # the sum exists from the first observation
             return w
         avg = self._sum.to(w.device) / self._count
         return avg.to(w.dtype).reshape(w.shape)
@@ -195,7 +195,7 @@ class AFL(Aggregator):
             "iterate_count": self._count,
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the running sum lands on the CPU and moves to the
         parameters' device on the next call).
 

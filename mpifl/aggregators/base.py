@@ -24,6 +24,9 @@ from mpifl.aggregators.shards import row_sq_norms
 from mpifl.core.params import Params, params_error
 from mpifl.core.registry import Registry
 
+#: The base class by another name: inside ``Aggregator`` the name ``Params`` is the rule's own.
+_BaseParams = Params
+
 __all__ = ["RULES", "Aggregator", "NoParams", "RoundUpdates", "available", "create", "register",
            "rule", "check_seed", "OLD_FLAGS"]
 
@@ -126,7 +129,7 @@ class RoundUpdates:
     @staticmethod
     def _ids(ids: Any, m: int) -> np.ndarray:
         arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-        if arr.shape != (m,) or not (arr.dtype.kind in "iu"):
+        if arr.shape != (m,) or arr.dtype.kind not in "iu":
             raise ValueError(f"client_ids must be ({m},) integers to match updates, got "
                              f"shape {arr.shape} dtype {arr.dtype}")
         arr = arr.astype(np.int64)
@@ -205,18 +208,6 @@ def check_seed(seed: Any) -> int:
     return seed
 
 
-def check_nonnegative(rule: str, name: str, x: Any) -> float:
-    """A hyper-parameter as a finite float >= 0 (bools and non-numbers refused).
-
-    Raises:
-        ValueError: naming the rule and the parameter.
-    """
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(x) or x < 0:
-        raise ValueError(f"{rule}: {name} must be a finite number >= 0, got {x!r}")
-    return float(x)
-
-
 def check_num_clients(rule: str, num_clients: Any) -> int | None:
     """K for rules with state over all clients: None (grow as ids appear) or an int >= 1.
 
@@ -269,7 +260,7 @@ class Aggregator:
     """
 
     name: ClassVar[str] = ""
-    Params: ClassVar[type[Params]] = NoParams
+    Params: ClassVar[type[_BaseParams]] = NoParams
     #: Everything the rule needs from the run, declared once (:class:`~mpifl.aggregators.needs.
     #: Needs`: num_clients, num_groups, all_clients, losses, trainer, meta_step, shards,
     #: shards_note). Whatever only one or two rules need is an opt-in protocol of
@@ -279,11 +270,12 @@ class Aggregator:
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         self.seed = check_seed(seed)
-        self.params = self.validate_params(params)
+        #: the rule's own ``Params`` (Any: each rule reads the fields of its own class)
+        self.params: Any = self.validate_params(params)
 
     @final
     @classmethod
-    def validate_params(cls, params: Mapping[str, Any] | Params) -> Params:
+    def validate_params(cls, params: Mapping[str, Any] | _BaseParams) -> _BaseParams:
         """``params`` as this rule's validated :attr:`Params` (an instance passes through).
 
         Raises:
@@ -300,7 +292,7 @@ class Aggregator:
             raise ValueError(msg) from None
 
     @classmethod
-    def client_options(cls, p: Params) -> dict[str, Any]:
+    def client_options(cls, p: Any) -> dict[str, Any]:
         """Local-training options this rule needs from its validated hyper-parameters ``p``
         (keyword arguments of the trainer ``needs.trainer`` names, e.g. FedProx's
         ``prox_mu = p.mu``); default none."""
@@ -318,7 +310,7 @@ class Aggregator:
         """
         return {}
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
 
         Raises:
@@ -332,8 +324,8 @@ class Aggregator:
         return f"{type(self).__name__}(name={self.name!r}, seed={self.seed})"
 
 
-#: The class attributes of before issue 25 -> what replaced them (a rule still setting one is
-#: refused at registration with this hint, never silently ignored).
+#: The class attributes that came before ``Needs`` -> what replaced them (a rule still setting
+#: one is refused at registration with this hint, never silently ignored).
 OLD_FLAGS = {
     "needs_num_clients": "needs = Needs(num_clients=True)",
     "needs_num_groups": "needs = Needs(num_groups=True)",

@@ -61,8 +61,8 @@ class Ditto(FedAvg):
                   shards_note="its personal models (K, d) are sent to and kept at one place")
 
     class Params(FedAvg.Params):
-        #: pull of each personal model towards the global one; 0: purely local models.
         lam: float = Field(0.1, ge=0.0)
+        """Pull of each personal model towards the global one; 0: purely local models."""
 
     def __init__(self, *, num_clients: int | None = None, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
@@ -158,7 +158,7 @@ class Ditto(FedAvg):
                          else np.zeros((0, 0), dtype=np.float32)),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the personal models land on the CPU and move to
         the parameters' device on the next call).
 

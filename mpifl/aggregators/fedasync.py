@@ -45,10 +45,10 @@ class FedAsync(Aggregator):
                   shards_note=ASYNC_NOTE)
 
     class Params(StalenessParams):
-        #: C: clients training at once
         concurrency: int = Field(100, ge=1, le=2**31 - 1)
-        #: alpha: the weight of an arriving client model (before its staleness factor)
+        """C: clients training at once."""
         alpha: float = Field(0.6, gt=0.0, le=1.0)
+        """alpha: the weight of an arriving client model (before its staleness factor)."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

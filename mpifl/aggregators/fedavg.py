@@ -34,8 +34,8 @@ class FedAvg(Aggregator):
     needs = Needs(losses=False, shards=Shards())
 
     class Params(Params):
-        #: ``"samples"``: p_k = n_k / sum n_j (the paper); ``"uniform"``: p_k = 1/m.
         weighting: Literal["samples", "uniform"] = "samples"
+        """``"samples"``: p_k = n_k / sum n_j (the paper); ``"uniform"``: p_k = 1/m."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

@@ -54,12 +54,13 @@ def staleness_weights(tau: np.ndarray, kind: str, a: float, b: float) -> np.ndar
 class StalenessParams(Params):
     """The staleness function's keys, shared by FedBuff and FedAsync."""
 
-    #: f(tau): "constant" (1), "polynomial" ((1+tau)^-a) or "hinge" (1 up to b, then 1/(a(tau-b)+1))
     staleness: Literal["constant", "polynomial", "hinge"] = "polynomial"
-    #: the exponent of "polynomial", the slope of "hinge"; 0 = no down-weighting
+    """f(tau): "constant" (1), "polynomial" ((1+tau)^-a) or "hinge" (1 up to b, then
+    1/(a(tau-b)+1))."""
     a: float = Field(0.5, ge=0.0)
-    #: "hinge": staleness up to b is not down-weighted
+    """The exponent of "polynomial", the slope of "hinge"; 0 = no down-weighting."""
     b: float = Field(4.0, ge=0.0)
+    """With "hinge": staleness up to b is not down-weighted."""
 
 
 def staleness_of(r: RoundUpdates, rule: str) -> np.ndarray:
@@ -109,12 +110,12 @@ class FedBuff(Aggregator):
     needs = Needs(losses=False, asynchronous=True, shards_note=ASYNC_NOTE)
 
     class Params(StalenessParams):
-        #: B: updates aggregated per server step
         buffer_size: int = Field(10, ge=1, le=2**31 - 1)
-        #: C: clients training at once (>= buffer_size)
+        """B: updates aggregated per server step."""
         concurrency: int = Field(100, ge=1, le=2**31 - 1)
-        #: eta_g: the server learning rate scaling the buffered mean
+        """C: clients training at once (>= buffer_size)."""
         server_lr: float = Field(1.0, gt=0.0)
+        """eta_g: the server learning rate scaling the buffered mean."""
 
         @field_validator("concurrency")
         @classmethod

@@ -112,12 +112,12 @@ class FedFa(Aggregator):
                   shards_note="its server momentum v (d,) is not split into blocks yet")
 
     class Params(Params):
-        #: weight of participation frequency against training accuracy (alpha = 1 - beta).
         beta: float = Field(0.5, ge=0.0, le=1.0)
-        #: server momentum; 0: no momentum (the step is the weighted mean).
+        """Weight of participation frequency against training accuracy (alpha = 1 - beta)."""
         gamma_s: float = Field(0.5, ge=0.0, lt=1.0)
-        #: the clients' local SGD momentum; 0: plain SGD.
+        """Server momentum; 0: no momentum (the step is the weighted mean)."""
         gamma_c: float = Field(0.5, ge=0.0, lt=1.0)
+        """The clients' local SGD momentum; 0: plain SGD."""
 
     def __init__(self, *, num_clients: int | None = None, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
@@ -146,15 +146,15 @@ class FedFa(Aggregator):
         return self._counts.copy()
 
     def _accuracy(self, r: RoundUpdates) -> np.ndarray:
-        acc = r.stats.get("train_accuracy")
-        if acc is None:
+        stat = r.stats.get("train_accuracy")
+        if stat is None:
             raise ValueError(f"fedfa: round {r.round} has no 'train_accuracy' statistic; FedFa "
                              "needs each client's training accuracy of the global model (local "
                              "training must run with report_accuracy=True, see client_options)")
-        if tuple(acc.shape) not in ((r.m,), (r.m, 1)):
+        if tuple(stat.shape) not in ((r.m,), (r.m, 1)):
             raise ValueError(f"fedfa: stats['train_accuracy'] must have shape ({r.m},) or "
-                             f"({r.m}, 1), got {tuple(acc.shape)}")
-        acc = acc.detach().reshape(-1).double().cpu().numpy()
+                             f"({r.m}, 1), got {tuple(stat.shape)}")
+        acc = stat.detach().reshape(-1).double().cpu().numpy()
         bad = ~np.isfinite(acc) | (acc < 0) | (acc > 1)
         if bad.any():
             k = int(np.argmax(bad))
@@ -201,7 +201,7 @@ class FedFa(Aggregator):
             "last_round": self._last_round,
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (``v`` lands on the CPU and moves to the updates'
         device on the next round).
 

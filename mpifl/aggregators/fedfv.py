@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -33,7 +33,7 @@ from pydantic import Field
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.fedfv_batched import BATCHED_MIN_CLIENTS, coefficient_column_sums, row_block
-from mpifl.aggregators.history import HistoryRing
+from mpifl.aggregators.history import HistoryRing, RingKeys
 from mpifl.aggregators.needs import BenchSpec, Needs, Shards, StateRows
 from mpifl.core.params import Params
 
@@ -124,14 +124,14 @@ class FedFV(Aggregator):
     """
 
     class Params(Params):
-        #: share of the highest-loss clients whose conflicts are not projected; 0: all are.
         alpha: float = Field(0.1, ge=0.0, lt=1.0)
-        #: rounds of absent clients' history projected against; 0: no history.
+        """Share of the highest-loss clients whose conflicts are not projected; 0: all are."""
         tau: int = Field(1, ge=0, le=10_000)
-        #: projection order: by loss (the paper), random, or reverse (FedFV Table 4).
+        """Rounds of absent clients' history projected against; 0: no history."""
         order: Literal["loss", "random", "reverse"] = "loss"
-        #: history window of the paper, or the FLGo reference code's.
+        """Projection order: by loss (the paper), random, or reverse (FedFV Table 4)."""
         external_window: Literal["paper", "flgo"] = "paper"
+        """History window of the paper, or the FLGo reference code's."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
@@ -197,7 +197,7 @@ class FedFV(Aggregator):
             "last_round": self._last_round, **self._ring.state_dict(**_RING_KEYS),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (blocks land on the CPU and move to the updates'
         device on the next round).
 
@@ -214,7 +214,7 @@ class FedFV(Aggregator):
             if saved != getattr(self, key):
                 raise ValueError(f"fedfv state was saved with {key}={saved!r}, "
                                  f"this aggregator has {key}={getattr(self, key)!r}")
-        self._ring.load_state_dict(state, **_RING_KEYS)
+        self._ring.load_state_dict(state, **cast(RingKeys, _RING_KEYS))
         self._last_round = int(state_scalar(state["last_round"]))
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ projections update ``g_i`` in place (so the baseline is not slower than it has t
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import numpy as np
 import torch
@@ -41,8 +42,8 @@ class DirectFedFV:
 
     def __init__(self, *, alpha: float = 0.1, tau: int = 1, order: str = "loss",
                  external_window: str = "paper", seed: int = 0) -> None:
-        p = FedFV.validate_params(dict(alpha=alpha, tau=tau, order=order,
-                                       external_window=external_window))
+        p = cast(FedFV.Params, FedFV.validate_params(dict(alpha=alpha, tau=tau, order=order,
+                                                          external_window=external_window)))
         self.alpha, self.tau = p.alpha, p.tau
         self.order, self.external_window = order, external_window
         self.seed = check_seed(seed)

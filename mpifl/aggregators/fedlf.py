@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ import torch
 from mpifl.aggregators.base import (Aggregator, RoundUpdates, check_round_order, register,
                                     state_scalar)
 from mpifl.aggregators.gram import gram
-from mpifl.aggregators.history import HistoryRing, Selection
+from mpifl.aggregators.history import HistoryRing, RingKeys, Selection
 from mpifl.aggregators.needs import Needs, Shards, StateRows
 from mpifl.aggregators.qp import solve_simplex_qp
 
@@ -89,7 +89,7 @@ PARALLEL_TOL = 1e-12     # h = 0 when sin(angle(L, 1)) <= PARALLEL_TOL
 CONFLICT_TOL = 1e-6      # ALGORITHMS.md §5.7's relative conflict threshold
 
 
-def fair_weights(losses) -> np.ndarray:
+def fair_weights(losses: Any) -> np.ndarray:
     """FedLF's fair-driven weights ``h = [(e·L) L / ||L||^2 - e] / ||L||``, ``e = 1/sqrt(m)``.
 
     ``sum_k h_k g_k`` is the gradient of ``P(w) = -cos(1, L(w))`` (ALGORITHMS.md §5.2); ``h ⟂ L``.
@@ -148,7 +148,7 @@ class Direction:
     groups: list[GroupSolution] = field(default_factory=list)
 
 
-def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | None = None,
+def fedlf_direction(X: torch.Tensor, m: int, losses: Any, layers: Sequence[slice] | None = None,
                     zero_tol: float = ZERO_TOL, total: Callable[[Any], np.ndarray] | None = None) -> Direction:
     """FedLF's unscaled direction ``d = concat(d_l)`` (ALGORITHMS.md §5.2-5.5).
 
@@ -181,7 +181,7 @@ def fedlf_direction(X: torch.Tensor, m: int, losses, layers: Sequence[slice] | N
     d = torch.zeros(X.shape[1], dtype=torch.float64, device=X.device)
     i = 0
     while i < len(groups):
-        sol = _solve_group(groups[i], sum(grams[j] for j in groups[i]), m, h)
+        sol = _solve_group(groups[i], cast(np.ndarray, sum(grams[j] for j in groups[i])), m, h)
         sol.norm = _fill(d, X, [slices[j] for j in groups[i]], sol.coef, total)
         if sol.norm <= zero_tol * sol.mu and len(groups) > 1:
             lo = i if i + 1 < len(groups) else i - 1           # merge with next (prev if last)
@@ -328,7 +328,7 @@ class FedLF(Aggregator):
         self._m_ref = max(self._m_ref, m)
         self.last_tau = self._tau(len(self._seen))
         hist = self._history(r.round, r.client_ids, self.last_tau)
-        X = torch.cat([g, hist.rows]) if len(hist) else g
+        X = torch.cat([g, hist.rows]) if hist.rows is not None else g
         direction = fedlf_direction(X, m, r.losses.cpu().numpy(), r.layers, self.zero_tol,
                                     None if r.shards is None else r.total)
         d = self._rescale(direction.d, g, r)
@@ -347,7 +347,7 @@ class FedLF(Aggregator):
             **self._ring.state_dict(**_RING_KEYS),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (rows land on the CPU and move to the updates'
         device on the next round).
 
@@ -365,7 +365,7 @@ class FedLF(Aggregator):
         seen_rounds = np.asarray(state["seen_rounds"], dtype=np.int64)
         if len(seen_ids) != len(seen_rounds):
             raise ValueError("fedlf state: arrays have inconsistent lengths")
-        self._ring.load_state_dict(state, **_RING_KEYS)
+        self._ring.load_state_dict(state, **cast(RingKeys, _RING_KEYS))
         self._seen = {int(k): int(t) for k, t in zip(seen_ids, seen_rounds)}
         self._m_ref = int(state_scalar(state["m_ref"]))
         self._last_round = int(state_scalar(state["last_round"]))

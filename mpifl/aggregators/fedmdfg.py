@@ -109,7 +109,7 @@ ARMIJO_BETA = 1e-4       # the reference code's beta
 _RING_KEYS = {"ids": "last_ids", "rows": "last_rows", "coef": "last_coef"}
 
 
-def loss_angle(losses) -> float:
+def loss_angle(losses: Any) -> float:
     """The angle in degrees between the loss vector and ``1`` (0 when ``||L|| = 0``)."""
     L = np.asarray(losses, dtype=np.float64).reshape(-1)
     norm = float(np.linalg.norm(L))
@@ -119,7 +119,7 @@ def loss_angle(losses) -> float:
     return math.degrees(math.acos(min(1.0, max(-1.0, cos))))
 
 
-def guidance_weights(losses) -> np.ndarray | None:
+def guidance_weights(losses: Any) -> np.ndarray | None:
     """``h = normalise((e · L̂) L̂ - e)`` (unit norm, ``h ⟂ L``), or None when undefined (L
     parallel to 1 up to ``sin <= 1e-12``, ``||L|| = 0``, or a single loss)."""
     L = np.asarray(losses, dtype=np.float64).reshape(-1)
@@ -172,11 +172,15 @@ class FedMDFG(Aggregator):
                               "models in the middle of the aggregation, which the shards' "
                               "protocol does not carry")
 
+    last_lambda: np.ndarray | None
+    last_status: str | None
+    last_direction: torch.Tensor | None
+
     class Params(Params):
-        #: angle in degrees between the loss vector and 1 above which the fair guidance joins.
         theta: float = Field(11.25, gt=0.0, lt=90.0)
-        #: the line search tries step scales 2^s .. 0.5^s; 0: no line search.
+        """Angle in degrees between the loss vector and 1 above which the fair guidance joins."""
         s: int = Field(5, ge=0, le=20)
+        """The line search tries step scales 2^s .. 0.5^s; 0: no line search."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)
@@ -225,7 +229,7 @@ class FedMDFG(Aggregator):
 
         hist = self._ring.absent(r.client_ids)
         self.last_history_ids = hist.ids
-        X = (torch.cat([U, hist.rows]) if len(hist) else U).to(torch.float64)
+        X = (torch.cat([U, hist.rows]) if hist.rows is not None else U).to(torch.float64)
         K = gram(X)                                             # the one O(n^2 d) product
         norms = np.sqrt(np.clip(np.diag(K), 0.0, None))
         live = np.flatnonzero(norms[:m] / r.lr > LIVE_TOL)
@@ -283,7 +287,7 @@ class FedMDFG(Aggregator):
             **self._ring.state_dict(**_RING_KEYS),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (rows land on the CPU and move to the updates'
         device on the next round).
 
@@ -331,13 +335,15 @@ class FedMDFG(Aggregator):
     def _line_search(self, r: RoundUpdates, live: np.ndarray, l0: np.ndarray,
                      v: torch.Tensor, same_users: bool) -> float:
         """The accepted step size (0.0: no step), after at most ``2 s + 1`` ``loss_at`` calls."""
+        loss_at = r.loss_at
+        assert loss_at is not None  # aggregate() refuses a round without it
         rates = candidate_rates(r.lr, self.s, same_users)
         cpos = np.maximum(self.last_dots, 0.0)
         sums = []
         for rate in rates:
-            out = r.loss_at((rate * v).to(r.updates.dtype))
-            out = (out.detach().double().cpu().numpy() if isinstance(out, torch.Tensor)
-                   else np.asarray(out, dtype=np.float64))
+            got = loss_at((rate * v).to(r.updates.dtype))
+            out = (got.detach().double().cpu().numpy() if isinstance(got, torch.Tensor)
+                   else np.asarray(got, dtype=np.float64))
             if out.shape != (r.m,):
                 raise ValueError(f"fedmdfg: loss_at must return ({r.m},) losses, got shape "
                                  f"{out.shape}")
@@ -368,9 +374,9 @@ class FedMDFG(Aggregator):
         self.last_guidance = False
         self.last_live = np.zeros(0, dtype=np.int64)
         self.last_history_ids = np.zeros(0, dtype=np.int64)
-        self.last_lambda: np.ndarray | None = None
-        self.last_status: str | None = None
-        self.last_direction: torch.Tensor | None = None
+        self.last_lambda = None
+        self.last_status = None
+        self.last_direction = None
         self.last_conflict_fallback = False
         self.last_dots = np.zeros(0)
         self.last_rates: list[float] = []

@@ -67,12 +67,12 @@ class FedMeta(FedAvg):
                               "at one place")
 
     class Params(FedAvg.Params):
-        #: step size of the meta step (> 0).
         eta_meta: float = Field(0.1, gt=0.0)
-        #: samples in the server-held meta set.
+        """Step size of the meta step (> 0)."""
         meta_size: int = Field(100, ge=1, le=2**31 - 1)
-        #: ``"iid"`` from the training pool, or ``"group_balanced"`` (equal per sensitive group).
+        """Samples in the server-held meta set."""
         meta_sampling: Literal["iid", "group_balanced"] = "iid"
+        """``"iid"`` from the training pool, or ``"group_balanced"`` (equal per sensitive group)."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

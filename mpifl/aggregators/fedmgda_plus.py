@@ -59,11 +59,11 @@ class FedMGDAPlus(Aggregator):
     needs = Needs(losses=False, shards=Shards())
 
     class Params(Params):
-        #: how far each weight may move from n_k / sum n; 0: fixed sample weights on the
-        #: normalised updates, 1: the whole simplex (MGDA).
         eps: float = Field(0.1, ge=0.0, le=1.0)
-        #: server step size.
+        """How far each weight may move from n_k / sum n; 0: fixed sample weights on the normalised
+        updates, 1: the whole simplex (MGDA)."""
         eta: float = Field(1.0, gt=0.0)
+        """Server step size."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

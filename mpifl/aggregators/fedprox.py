@@ -31,8 +31,8 @@ class FedProx(FedAvg):
     """
 
     class Params(FedAvg.Params):
-        #: proximal coefficient; ``mu = 0`` is FedAvg.
         mu: float = Field(0.01, ge=0.0)
+        """Proximal coefficient; ``mu = 0`` is FedAvg."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -57,6 +58,16 @@ class Block:
     rows: torch.Tensor
     latest: np.ndarray
     scalars: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class RingKeys(TypedDict, total=False):
+    """A rule's checkpoint key names for :meth:`HistoryRing.state_dict` / ``load_state_dict``."""
+
+    ids: str
+    rows: str
+    rounds: str
+    sizes: str
+    latest: str
 
 
 @dataclass
@@ -107,7 +118,9 @@ class HistoryRing:
         """The latest rows of clients not in ``selected`` from the blocks of rounds ``>= since``
         (all blocks for None), oldest round first; rows in their block's order. ``rows`` may be
         a stored block's own tensor (read it, do not write to it)."""
-        ids, rows, cols = [], [], {k: [] for k in self.scalar_dtypes}
+        ids: list[np.ndarray] = []
+        rows: list[torch.Tensor] = []
+        cols: dict[str, list[np.ndarray]] = {k: [] for k in self.scalar_dtypes}
         for b in self._blocks:
             if since is not None and b.round < since:
                 continue
@@ -194,7 +207,7 @@ class HistoryRing:
     def clear(self) -> None:
         self._blocks = []
 
-    def _check_scalars(self, given: Mapping) -> None:
+    def _check_scalars(self, given: Mapping[str, Any]) -> None:
         if set(given) != set(self.scalar_dtypes):
             raise ValueError(f"{self.rule}: history rows have the scalars "
                              f"{sorted(self.scalar_dtypes)}, got {sorted(given)}")
@@ -239,7 +252,8 @@ class HistoryRing:
                                       or [np.zeros(0, self.scalar_dtypes[name])])
         return out
 
-    def load_state_dict(self, state: Mapping, *, ids: str, rows: str, rounds: str | None = None,
+    def load_state_dict(self, state: Mapping[str, Any], *, ids: str, rows: str,
+                        rounds: str | None = None,
                         sizes: str | None = None, latest: str | None = None,
                         default_round: int = -1, **scalars: str) -> None:
         """Restore :meth:`state_dict` output written with the same key names (rows land on the

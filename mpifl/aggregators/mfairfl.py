@@ -81,7 +81,7 @@ def num_adjusted(m: int, alpha: float) -> int:
     return min(m, math.ceil(round(alpha * m, 9)))
 
 
-def gradvac_coefficient(norm_g, norm_u, phi, goal):
+def gradvac_coefficient(norm_g: Any, norm_u: Any, phi: Any, goal: Any) -> Any:
     """GradVac's step size a in ``g <- g + a u`` that turns ``cos(g, u) = phi`` into ``goal``:
     ``a = ||g|| (goal sqrt(1-phi^2) - phi sqrt(1-goal^2)) / (||u|| sqrt(1-goal^2))``.
 
@@ -184,17 +184,17 @@ class MFairFL(Aggregator):
     needs = Needs(num_groups=True, trainer="mfairfl", shards=Shards())
 
     class Params(Params):
-        #: the group-fairness notion constrained: demographic parity, equalized odds or
-        #: accuracy parity.
         notion: Literal["dp", "eo", "ap"] = "dp"
-        #: tolerance of each constraint; 0: exact parity asked.
+        """The group-fairness notion constrained: demographic parity, equalized odds or accuracy
+        parity."""
         eps: float = Field(0.05, ge=0.0)
-        #: step size of the multipliers; 0: they stay at 0 (no fairness pressure).
+        """Tolerance of each constraint; 0: exact parity asked."""
         eta_lambda: float = Field(0.1, ge=0.0)
-        #: gradient projecting rate, the share of low-loss clients curated; 0: no curation.
+        """Step size of the multipliers; 0: they stay at 0 (no fairness pressure)."""
         alpha: float = Field(0.9, ge=0.0, le=1.0)
-        #: EMA rate of the pairwise similarity goals.
+        """Gradient projecting rate, the share of low-loss clients curated; 0: no curation."""
         beta: float = Field(0.01, gt=0.0, le=1.0)
+        """EMA rate of the pairwise similarity goals."""
 
     def __init__(self, *, num_constraints: int | None = None, num_groups: int | None = None,
                  seed: int = 0, **params: Any) -> None:
@@ -284,7 +284,7 @@ class MFairFL(Aggregator):
         if adjusted.any() and m > 1:
             keys = (ids[:, None] << _SHIFT) | ids[None, :]  # (m, m) ordered pair keys
             pos, found = self._lookup(keys.ravel())
-            goals = np.zeros(m * m)
+            goals: np.ndarray = np.zeros(m * m)
             goals[found] = self._values[pos[found]]
             goals = goals.reshape(m, m)
             G = r.gram(U)  # the only O(m^2 d) work (summed over shards)
@@ -311,7 +311,7 @@ class MFairFL(Aggregator):
             "multipliers": self._lam.copy(),
         }
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
 
         Raises:
@@ -363,10 +363,10 @@ class MFairFL(Aggregator):
     def _next_multipliers(self, r: RoundUpdates) -> np.ndarray:
         """λ after this round: ``max(0, λ + eta_lambda * sum_k p_k c_k)``; unchanged if the round
         carries no ``"constraints"``."""
-        c = r.stats.get("constraints")
-        if c is None:
+        stat = r.stats.get("constraints")
+        if stat is None:
             return self._lam
-        c = c.double().cpu().numpy()
+        c = stat.double().cpu().numpy()
         if c.ndim != 2 or c.shape[1] < 1:
             raise ValueError(f"mfairfl: stats['constraints'] must be (m, A) with A >= 1, got "
                              f"shape {c.shape}")

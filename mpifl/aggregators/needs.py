@@ -1,4 +1,4 @@
-"""What a rule needs from the server, declared once (issue 25).
+"""What a rule needs from the server, declared once.
 
 A rule states everything the run must do for it in one frozen record, its class attribute
 ``needs: ClassVar[Needs]`` (:class:`Needs`; the default asks for nothing but plain local SGD and
@@ -45,7 +45,8 @@ __all__ = ["BenchInputs", "BenchSpec", "MemoryRows", "Needs", "ObservesParams", 
 
 @dataclass(frozen=True)
 class Shards:
-    """A rule runs on a sharded server (``server.shards = P > 1``, issue 14).
+    """A rule runs on a sharded server (``server.shards = P > 1``; docs/ARCHITECTURE.md, "Sharded
+    server").
 
     Its ``aggregate`` takes every sum over coordinates through ``RoundUpdates.total``/``gram``/
     ``dots``/``dot``/``norm``, acts on ``r.updates`` as a column block, and keeps d-sized state
@@ -140,7 +141,7 @@ class BenchSpec:
     """
 
     params: Mapping[str, Any] = field(default_factory=dict)
-    stats: Mapping[str, tuple] = field(default_factory=dict)
+    stats: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     loss_at: bool = False
     baseline: str | None = None
     forms: tuple[str, str] = ("default", "baseline")

@@ -45,8 +45,8 @@ class QFedAvg(Aggregator):
     """
 
     class Params(Params):
-        #: fairness exponent; ``q = 0`` is FedAvg with uniform weights.
         q: float = Field(1.0, ge=0.0)
+        """Fairness exponent; ``q = 0`` is FedAvg with uniform weights."""
 
     needs = Needs(shards=Shards())  # row norms summed over shards, then a weighted sum of rows
 

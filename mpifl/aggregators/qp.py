@@ -30,7 +30,7 @@ Robustness, so that degenerate rounds never produce NaN:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,7 +62,7 @@ class QPResult(NamedTuple):
     objective: float
 
 
-def solve_simplex_qp(P, lo=0.0, hi=1.0, *, ridge: float = 1e-10) -> QPResult:
+def solve_simplex_qp(P: Any, lo: Any = 0.0, hi: Any = 1.0, *, ridge: float = 1e-10) -> QPResult:
     """Minimise ``lambda^T P lambda`` over ``{sum(lambda) = 1, lo <= lambda <= hi}``.
 
     Args:
@@ -91,7 +91,7 @@ def solve_simplex_qp(P, lo=0.0, hi=1.0, *, ridge: float = 1e-10) -> QPResult:
     if not (isinstance(ridge, (int, float)) and np.isfinite(ridge) and ridge >= 0):
         raise ValueError(f"qp: ridge must be a finite number >= 0, got {ridge!r}")
 
-    def result(lam, status):
+    def result(lam: np.ndarray, status: str) -> QPResult:
         return QPResult(lam, status, float(lam @ P @ lam))
 
     scale = float(np.abs(P).max())
@@ -128,7 +128,7 @@ def solve_simplex_qp(P, lo=0.0, hi=1.0, *, ridge: float = 1e-10) -> QPResult:
     return result(lam, status)
 
 
-def project_box_simplex(x, lo=0.0, hi=1.0, total: float = 1.0) -> np.ndarray:
+def project_box_simplex(x: Any, lo: Any = 0.0, hi: Any = 1.0, total: float = 1.0) -> np.ndarray:
     """Euclidean projection of ``x`` onto ``{sum(y) = total, lo <= y <= hi}``, exactly.
 
     The projection is ``clip(x - tau, lo, hi)`` for the ``tau`` where the (non-increasing,
@@ -161,7 +161,7 @@ def project_box_simplex(x, lo=0.0, hi=1.0, total: float = 1.0) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 
 
-def _bounds(lo, hi, m: int, check_sum: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def _bounds(lo: Any, hi: Any, m: int, check_sum: bool = True) -> tuple[np.ndarray, np.ndarray]:
     out = []
     for name, v in (("lo", lo), ("hi", hi)):
         a = np.asarray(v, dtype=np.float64)
@@ -182,7 +182,8 @@ def _bounds(lo, hi, m: int, check_sum: bool = True) -> tuple[np.ndarray, np.ndar
     return lo, hi
 
 
-def _cvxopt(H, c, lo, hi, budget) -> tuple[np.ndarray | None, str]:
+def _cvxopt(H: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+            budget: float) -> tuple[np.ndarray | None, str]:
     """cvxopt on ``min x^T H x + 2 c^T x`` (passed as ``1/2 x^T (2H) x + (2c)^T x``); returns
     ``(x, status)``, x None when cvxopt raised or gave no finite point."""
     from cvxopt import matrix, solvers
@@ -204,11 +205,12 @@ def _cvxopt(H, c, lo, hi, budget) -> tuple[np.ndarray | None, str]:
     return x, "optimal" if sol["status"] == "optimal" else "unknown"
 
 
-def _objective(H, c, x) -> float:
+def _objective(H: np.ndarray, c: np.ndarray, x: np.ndarray) -> float:
     return float(x @ H @ x + 2.0 * c @ x)
 
 
-def _polish(H, c, lo, hi, budget, x) -> np.ndarray:
+def _polish(H: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray, budget: float,
+            x: np.ndarray) -> np.ndarray:
     """Sharpen an interior-point answer: guess the active bounds from ``x`` (a few thresholds),
     solve the equality-constrained problem on the other coordinates exactly (KKT system), project,
     and keep whichever feasible point has the lowest objective. It never makes ``x`` worse."""
@@ -240,14 +242,15 @@ def _polish(H, c, lo, hi, budget, x) -> np.ndarray:
     return best
 
 
-def _projected_gradient(H, c, lo, hi, budget, x0, iters: int = 20000) -> np.ndarray:
+def _projected_gradient(H: np.ndarray, c: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                        budget: float, x0: np.ndarray, iters: int = 20000) -> np.ndarray:
     """Accelerated projected gradient (FISTA with adaptive restart) on ``x^T H x + 2 c^T x``
     from the feasible ``x0``; returns the best iterate seen."""
     L = 2.0 * float(np.linalg.eigvalsh(H)[-1])
     if L <= 0:
         return x0
 
-    def f(z):
+    def f(z: np.ndarray) -> float:
         return _objective(H, c, z)
 
     x, y, t = x0.copy(), x0.copy(), 1.0

@@ -20,6 +20,7 @@ Algorithm 2), elementwise over the d coordinates. ``sgd`` with η = 1 is the rul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,19 +95,21 @@ class ServerOptimizer:
             self.m = torch.zeros_like(s)
             if p.name != "momentum":
                 self.v = torch.full_like(s, p.tau ** 2)
-        self.m, self.v = self.m.to(s), None if self.v is None else self.v.to(s)
+        m, v = self.m.to(s), None if self.v is None else self.v.to(s)
+        self.m, self.v = m, v
         if p.name == "momentum":
-            self.m.mul_(p.momentum).add_(s)
-            return self.m * p.lr
-        self.m.mul_(p.beta1).add_(s, alpha=1 - p.beta1)
+            m.mul_(p.momentum).add_(s)
+            return m * p.lr
+        assert v is not None  # made with m for every adaptive optimizer
+        m.mul_(p.beta1).add_(s, alpha=1 - p.beta1)
         sq = s * s
         if p.name == "adagrad":
-            self.v.add_(sq)
+            v.add_(sq)
         elif p.name == "adam":
-            self.v.mul_(p.beta2).add_(sq, alpha=1 - p.beta2)
+            v.mul_(p.beta2).add_(sq, alpha=1 - p.beta2)
         else:  # yogi
-            self.v.sub_((1 - p.beta2) * sq * torch.sign(self.v - sq))
-        return p.lr * self.m / (self.v.sqrt() + p.tau)
+            v.sub_((1 - p.beta2) * sq * torch.sign(v - sq))
+        return p.lr * m / (v.sqrt() + p.tau)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """The moments as numpy arrays (empty before the first step or for ``sgd``)."""
@@ -117,6 +120,6 @@ class ServerOptimizer:
             out["v"] = self.v.cpu().numpy().copy()
         return out
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.m = torch.from_numpy(np.asarray(state["m"], np.float32)) if "m" in state else None
         self.v = torch.from_numpy(np.asarray(state["v"], np.float32)) if "v" in state else None

@@ -1,6 +1,6 @@
 """Coordinate shards of the server: the flat parameter vector cut into P contiguous blocks, one
-per shard rank, so that no rank holds a round's whole (m, d) update matrix (issue 14;
-docs/ARCHITECTURE.md, "Sharded server").
+per shard rank, so that no rank holds a round's whole (m, d) update matrix
+(docs/ARCHITECTURE.md, "Sharded server").
 
 Every Gram-space rule (FedFV, FedMGDA+, mFairFL, FedLF, FedMDFG) needs from the d-dimensional
 updates only sums over coordinates — the (m, m) Gram matrix (per layer for FedLF), dot products
@@ -27,7 +27,7 @@ This module never sees MPI: a :class:`ShardGroup` talks to the other shards thro
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -146,11 +146,11 @@ class ShardGroup:
         """(P,) int64 coordinates per block."""
         return np.diff(self.bounds)
 
-    def block(self, x):
+    def block(self, x: Any) -> Any:
         """This shard's block of a full (..., d) array or tensor (a view)."""
         return x[..., self.lo:self.hi]
 
-    def allsum(self, x) -> np.ndarray:
+    def allsum(self, x: Any) -> np.ndarray:
         """The sum over shards of every shard's partial ``x`` (array-like of float64 numbers),
         identical bit for bit on every shard (:meth:`ShardCollectives.allsum_f64`).
 

@@ -48,10 +48,10 @@ class UGA(Aggregator):
     needs = Needs(trainer="uga", losses=False, shards=Shards())
 
     class Params(Params):
-        #: server step size (> 0).
         eta_g: float = Field(1.0, gt=0.0)
-        #: cap on the clients traced at once; None: the memory budget alone decides.
+        """Server step size (> 0)."""
         max_traced_clients: int | None = Field(None, ge=1, le=2**31 - 1)
+        """Cap on the clients traced at once; None: the memory budget alone decides."""
 
     def __init__(self, *, seed: int = 0, **params: Any) -> None:
         super().__init__(seed=seed, **params)

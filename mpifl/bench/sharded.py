@@ -1,6 +1,6 @@
 """The sharded server's aggregation cost (``mpiexec -n P python -m mpifl bench aggregation --shards P``).
 
-Every rank of MPI_COMM_WORLD is one shard (issue 14, :mod:`mpifl.runtime.sharding`): it builds
+Every rank of MPI_COMM_WORLD is one shard (:mod:`mpifl.runtime.sharding`): it builds
 only its column block of the synthetic client updates (so the inputs never exist whole on one
 rank), feeds the rule ``tau`` earlier rounds (its history ring fills with blocks), then times
 the rule's ``aggregate()`` on its block with the shards summing their partial statistics

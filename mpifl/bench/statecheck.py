@@ -3,7 +3,7 @@
 A rule that keeps something between rounds (momentum, multipliers, a history, counters) must
 return it from ``state_dict()`` and take it back in ``load_state_dict()``; otherwise a resumed
 run continues from a different state and silently ends elsewhere (a FedAdam plugin that forgot
-its moments finished at 23.9% instead of 35.2% in issue 26). The check runs the rule on
+its moments finished at 23.9% instead of 35.2% on resume). The check runs the rule on
 synthetic rounds (the inputs of ``mpifl bench aggregation``, with the extras the rule needs,
 each round made when it is aggregated),
 hands its state after ``split`` rounds through an HDF5 round trip (as a checkpoint does) to a

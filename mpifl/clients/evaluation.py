@@ -99,7 +99,7 @@ def evaluate_adapted(trainer, w: Tensor, round: int, lr: float, client_ids: np.n
     loss = np.full(len(sizes), math.nan)
     idle = np.flatnonzero(sizes == 0)
     if idle.size:  # nothing to adapt on: the global model itself
-        acc[idle], loss[idle] = trainer.evaluate(w, [test_idx[i] for i in idle])
+        acc[idle], loss[idle] = trainer.evaluate(w, [test_idx[int(i)] for i in idle])
     busy = np.flatnonzero(sizes > 0)
     for chunk in trainer.plan_chunks(sizes[busy]):
         pos = busy[chunk]

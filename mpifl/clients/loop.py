@@ -137,7 +137,7 @@ class LoopTrainer(VmapTrainer):
         loss_out = None
         if measure and start is None:
             losses, acc = self._client_stats(w, sample_idx)
-        elif measure:
+        elif measure and start is not None:
             pairs = [self._client_stats(start[i], [sample_idx[i]]) for i in range(len(sizes))]
             losses, acc = (torch.cat(c) for c in zip(*pairs))
         else:
@@ -175,7 +175,7 @@ class LoopTrainer(VmapTrainer):
             own[self._local] = rows[i].to(own)
             out = self._client_stats(own, [sample_idx[i]], groups)
             loss[i], acc[i] = float(out[0][0]), float(out[1][0])
-            if groups is not None:
+            if counts is not None:
                 counts[i] = out[2][0].cpu().numpy()
         return (acc, loss) if groups is None else (acc, loss, counts)
 
@@ -232,7 +232,7 @@ class LoopTrainer(VmapTrainer):
                 loss = self.loss.per_sample(self.net(xs[p]), ys[p]).mean()
                 if want_loss and step < first_epoch_steps:
                     total += loss.detach().double() * len(pos)
-                if mu:
+                if anchors is not None:
                     loss = loss + 0.5 * mu * sum((q - a).square().sum()
                                                  for q, a in zip(self._params, anchors))
                 opt.zero_grad(set_to_none=True)

@@ -208,8 +208,10 @@ class LagrangianTrainer(VmapTrainer):
         rows = torch.as_tensor(sample_rows, device=self.sensitive.device)
         return (self.sensitive[rows].to(self.device),)
 
-    def _minibatch_loss(self, params: dict[str, Tensor], xb: Tensor, yb: Tensor, sb: Tensor,
-                        wb: Tensor) -> Tensor:
+    # the extras of _batch_extras come between yb and wb (the trainer passes them positionally)
+    def _minibatch_loss(  # type: ignore[override]
+            self, params: dict[str, Tensor], xb: Tensor, yb: Tensor, sb: Tensor,
+            wb: Tensor) -> Tensor:
         """One client's minibatch Lagrangian: mean CE + ``sum_a λ_a c_a`` (gaps on the batch)."""
         out = functional_call(self.model, params, (xb,))
         ce = self.loss.per_sample(out, yb)

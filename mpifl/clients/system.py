@@ -57,20 +57,20 @@ __all__ = ["Tier", "SystemParams", "SystemModel", "DEFAULT_TIERS"]
 class Tier(Params):
     """One device class."""
 
-    #: the tier's name (device traces name tiers by it)
     name: str = Field(min_length=1)
-    #: fraction of the clients in this tier; the shares of all tiers sum to 1
+    """The tier's name (device traces name tiers by it)."""
     share: float = Field(ge=0.0, le=1.0)
-    #: median local compute time per training sample per epoch (s)
+    """Fraction of the clients in this tier; the shares of all tiers sum to 1."""
     seconds_per_sample: float = Field(gt=0.0)
-    #: median download bandwidth (Mbit/s = 10^6 bit/s)
+    """Median local compute time per training sample per epoch (s)."""
     down_mbps: float = Field(gt=0.0)
-    #: median upload bandwidth (Mbit/s)
+    """Median download bandwidth (Mbit/s = 10^6 bit/s)."""
     up_mbps: float = Field(gt=0.0)
-    #: latency of each transfer (s); 0 = none
+    """Median upload bandwidth (Mbit/s)."""
     latency_s: float = Field(0.05, ge=0.0)
-    #: mean share of time the device is available ("periodic"); 1 = always on
+    """Latency of each transfer (s); 0 = none."""
     available_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Mean share of time the device is available ("periodic"); 1 = always on."""
 
     _finite = field_validator("seconds_per_sample", "down_mbps", "up_mbps", "latency_s")(finite)
 
@@ -89,24 +89,25 @@ DEFAULT_TIERS = (
 class SystemParams(Params):
     """The config's ``[system]`` table (module docstring)."""
 
-    #: simulate time at all; false = every selected client finishes, no clock
     enabled: bool = False
-    #: device classes; shares must sum to 1, names be distinct
+    """Simulate time at all; false = every selected client finishes, no clock."""
     tiers: list[Tier] = Field(default_factory=lambda: list(DEFAULT_TIERS), min_length=1)
-    #: log-normal sigma of a client's speed and bandwidth around its tier's median; 0 = identical
+    """Device classes; shares must sum to 1, names be distinct."""
     spread: float = Field(0.5, ge=0.0, le=5.0)
-    #: "always" available, or "periodic" (on available_fraction of every period_s)
+    """Log-normal sigma of a client's speed and bandwidth around its tier's median; 0 = all
+    alike."""
     availability: Literal["always", "periodic"] = "always"
-    #: period of "periodic" availability (s); default one day
+    """Clients available "always", or "periodic" (on available_fraction of every period_s)."""
     period_s: float = Field(86400.0, gt=0.0)
-    #: CSV of per-client devices (mpifl.clients.traces); replaces the tiers' draws
+    """Period of "periodic" availability (s); default one day."""
     device_trace: str | None = None
-    #: CSV of on-intervals (mpifl.clients.traces); replaces availability
+    """CSV of per-client devices (mpifl.clients.traces); replaces the tiers' draws."""
     availability_trace: str | None = None
-    #: round deadline (s): clients not done by then are left out; None = wait for all
+    """CSV of on-intervals (mpifl.clients.traces); replaces availability."""
     deadline_s: float | None = Field(None, gt=0.0)
-    #: select ceil(m * (1 + over_commit)) clients and keep the first m to finish; 0 = m
+    """Round deadline (s): clients not done by then are left out; None = wait for all."""
     over_commit: float = Field(0.0, ge=0.0, le=100.0)
+    """Select ceil(m * (1 + over_commit)) clients and keep the first m to finish; 0 = m."""
 
     _finite = field_validator("period_s")(finite)
 

@@ -206,7 +206,8 @@ def _fast_device(path, num_clients, tier_names) -> DeviceTrace | None:
 
 def _slow_device(path, num_clients, tier_names) -> DeviceTrace:
     tiers = {name: i for i, name in enumerate(tier_names)}
-    ids, tier, values, lines = [], [], [], {}
+    ids, tier, values = [], [], []
+    lines: dict[int, int] = {}
     for line, f in _rows(path, DEVICE_HEADER):
         k = _int(path, line, "client", f[0])
         if k in lines:
@@ -358,7 +359,7 @@ def load_plain_pickle(path: str | Path):
         return _PlainUnpickler(io.BytesIO(data), path).load()
     except DataError:
         raise
-    except Exception as exc:  # any damage: truncated, bad opcode, persistent id, ...
+    except Exception as exc:  # noqa: BLE001 -- any damage: truncated, bad opcode, ...
         raise DataError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc})") from None
 
 

@@ -450,7 +450,7 @@ class VmapTrainer:
         """
         if self.weight_decay:
             torch._foreach_add_(grads, params, alpha=self.weight_decay)
-        step = grads
+        step: tuple[Tensor, ...] | list[Tensor] = grads
         if self.momentum and buf is not None:
             torch._foreach_mul_(buf, self.momentum)
             torch._foreach_add_(buf, grads)

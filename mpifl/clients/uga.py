@@ -36,7 +36,8 @@ the pseudo-gradients ``u_k = w^t - w_k`` that VmapTrainer returns; the UGA aggre
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -229,7 +230,8 @@ class UGATrainer(VmapTrainer):
         def trace(flat: Tensor) -> Tensor:
             return self._trace(flat, xs, ys, rows, weights, steps_np, step_widths(weights_np), lr)
 
-        w_k, pullback = vjp(trace, w0)
+        # without has_aux, vjp returns (output, pullback)
+        w_k, pullback = cast(tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]], vjp(trace, w0))
         v = self._full_grad(w_k.detach(), xs, ys, full_rows, full_w, count)
         del w_k
         (g,) = pullback(v)
@@ -279,4 +281,5 @@ class UGATrainer(VmapTrainer):
             r = full_rows[:, lo:lo + FULL_BLOCK]
             g = self._sum_grad(flat, xs[r], ys[r], full_w[:, lo:lo + FULL_BLOCK])
             total = g if total is None else total.add_(g)
+        assert total is not None  # every client has samples, so there is a block
         return total.div_(count[:, None])

@@ -150,6 +150,6 @@ class ParamLayout:
         if flat.dim() == 0 or flat.shape[-1] != self.d:
             raise ValueError(f"expected a tensor of shape (..., {self.d}), got {tuple(flat.shape)}")
         lead = flat.shape[:-1]
-        pieces = flat.split(self.numels, dim=-1)
+        pieces = torch.split(flat, self.numels, dim=-1)
         # reshape is a view whenever flat's last dimension is contiguous (the usual case).
         return {n: p.reshape(*lead, *s) for n, p, s in zip(self.names, pieces, self.shapes)}

@@ -162,7 +162,7 @@ class RunLock:
     def __enter__(self) -> "RunLock":
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -193,7 +193,7 @@ def clean_stale_temporaries(folder: Path, prefix: str = "") -> list[Path]:
     """Remove ``<prefix>*.tmp-PID`` files in ``folder`` whose PID is not running on this host
     (left by a writer killed mid-write). Called under the run lock, so no live writer of this
     run can own them unless its pid is still alive."""
-    removed = []
+    removed: list[Path] = []
     if not folder.is_dir():
         return removed
     for p in folder.iterdir():

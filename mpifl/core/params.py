@@ -16,12 +16,13 @@ __all__ = ["Params", "finite", "params_error"]
 class Params(BaseModel):
     """Hyper-parameters: unknown keys, wrong types and out-of-range values are refused.
 
-    Subclasses declare fields with ``pydantic.Field`` bounds and say in the field's comment or
-    description what its degenerate value means (e.g. ``mu = 0`` is FedAvg).
+    Subclasses declare fields with ``pydantic.Field`` bounds and a docstring below each field
+    (its ``description``, shown in the generated reference) that says what the value does and
+    what its degenerate value means (e.g. ``mu = 0`` is FedAvg).
     """
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, validate_default=True,
-                              allow_inf_nan=False)
+                              allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 def finite(x: float) -> float:

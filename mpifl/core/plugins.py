@@ -68,6 +68,6 @@ def load_modules(modules: Iterable[str], search_path: Iterable[str] = ()) -> Non
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # the user's module may fail in any way while importing
+        except Exception as exc:  # noqa: BLE001 -- a user's module may fail in any way
             raise PluginError(f"plugins.modules: cannot import '{name}': "
                               f"{type(exc).__name__}: {exc}") from None

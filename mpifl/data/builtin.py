@@ -7,10 +7,9 @@ A ``Params`` class's ``legacy`` maps the old flat ``[data]`` keys it replaces (e
 ``dirichlet_alpha``) to its fields: the config still reads them (job files, sweeps that vary
 ``data.dirichlet_alpha``, configs stored in results and checkpoints).
 
-Normalisation: (Fashion-)MNIST pixels / 255; CIFAR / 255 then per-channel standardisation with
-the pool's mean and std; ``one_class_per_client`` per-pixel ``(x - mean) / (std + 0.001)`` over
-the chosen classes' samples (raw 0..255 values), labels remapped to 0..len(classes)-1; synthetic
-features as drawn; tabular numerical columns standardised with the mean and std of the training
+Normalisation: the image sets as :mod:`mpifl.data.images` says; ``one_class_per_client``
+per-pixel ``(x - mean) / (std + 0.001)`` over the chosen classes' samples (raw 0..255 values),
+labels remapped to 0..len(classes)-1; synthetic features as drawn; tabular numerical columns standardised with the mean and std of the training
 pool (the union of the clients' train splits), one-hot columns as 0/1.
 """
 
@@ -26,74 +25,23 @@ from pydantic import Field
 from mpifl.core.errors import DataError
 from mpifl.core.params import Params
 from mpifl.data import partition as P
-from mpifl.data.cifar import load_cifar10_pool, load_cifar100_pool
 from mpifl.data.compat import IncompatibleData
-from mpifl.data.idx import load_idx_pool
-from mpifl.data.registry import (CLIENTS, LABELS, RAW, SENSITIVE, ClientSource, DataPool, NoParams,
-                                 Partitioned, register_dataset, register_partition)
-from mpifl.data.roots import find_dataset_dir
+# the image sets register themselves, every fact about each in its entry of IMAGES
+from mpifl.data.images import IMAGES
+from mpifl.data.registry import (CLIENTS, LABELS, RAW, SENSITIVE, ClientSource, DataPool,
+                                 DataShape, NoParams, Partitioned, register_dataset,
+                                 register_partition)
 from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
-from mpifl.data.synthetic import client_sizes, fill_client, generate_synthetic
-from mpifl.data.tabular import TABULAR, load_tabular
+from mpifl.data.synthetic import (client_sizes, expected_samples_per_client, fill_client,
+                                  generate_synthetic)
+from mpifl.data.tabular import ROW_COUNTS, TABULAR, feature_width, load_tabular
 
 __all__ = ["DATASETS", "ONE_CLASS_DEFAULT", "ONE_CLASS_FRACTIONS", "PARTITIONS"]
 
 INT32_MAX = 2**31 - 1
 ONE_CLASS_DEFAULT = (0, 2, 6)  # Fashion-MNIST T-shirt, pullover, shirt (FedFV Table 3)
 ONE_CLASS_FRACTIONS = (0.8, 0.1)  # train, test; the remaining 10 % is validation (unused)
-
-
-# --------------------------------------------------------------------------- image data sets
-
-def _idx_images(folder) -> tuple[np.ndarray, np.ndarray]:
-    x, y = load_idx_pool(folder)
-    return x[:, None], y  # add the channel axis: (N, 1, 28, 28)
-
-
-#: name -> (classes, reader of (N, channels, H, W) uint8 and (N,) int64 labels, per-channel
-#: standardisation)
-IMAGES: dict[str, tuple[int, Callable, bool]] = {
-    "fashion_mnist": (10, _idx_images, False), "mnist": (10, _idx_images, False),
-    "cifar10": (10, load_cifar10_pool, True), "cifar100": (100, load_cifar100_pool, True)}
-
-
-def _scale(x: np.ndarray) -> np.ndarray:
-    """uint8 pixels to float32 in [0, 1]."""
-    return np.multiply(x, np.float32(1 / 255), dtype=np.float32)
-
-
-def _standardise_channels(x: np.ndarray) -> np.ndarray:
-    """In place: per channel, subtract the pool's mean and divide by its std (CIFAR)."""
-    for c in range(x.shape[1]):
-        mean = x[:, c].mean(dtype=np.float64)
-        std = x[:, c].std(dtype=np.float64)
-        x[:, c] -= np.float32(mean)
-        x[:, c] /= np.float32(std if std > 0 else 1.0)
-    return x
-
-
-def _image_loader(name: str) -> Callable[..., DataPool]:
-    classes, read, per_channel = IMAGES[name]
-
-    def load(*, seed: int, data_root: str | None = None) -> DataPool:
-        """The pooled train+test images: x (N, channels, H, W) float32 normalised, raw uint8."""
-        folder = find_dataset_dir(name, data_root)
-        raw, y = read(folder)
-        if len(y) and (y.min() < 0 or y.max() >= classes):
-            raise DataError(f"{folder}: labels outside 0..{classes - 1} (found {y.min()}.."
-                            f"{y.max()})")
-        x = _scale(raw)
-        if per_channel:
-            _standardise_channels(x)
-        return DataPool(x, y, classes, raw=raw)
-
-    load.__qualname__ = load.__name__ = f"load_{name}"
-    return load
-
-
-for _name in IMAGES:
-    register_dataset(_name, params=NoParams, provides=(LABELS, RAW))(_image_loader(_name))
 
 
 # --------------------------------------------------------------------------- synthetic, tabular
@@ -118,7 +66,10 @@ def synthetic_clients(*, seed: int, data_root: str | None = None, num_clients: i
 
 
 @register_dataset("synthetic", params=SyntheticParams, provides=(LABELS, CLIENTS),
-                  lazy=synthetic_clients)
+                  lazy=synthetic_clients,
+                  shape=DataShape((SYNTHETIC_FEATURES,), SYNTHETIC_CLASSES,
+                                  samples_per_client=expected_samples_per_client(),
+                                  key="data.num_clients"))
 def synthetic(*, seed: int, data_root: str | None = None, num_clients: int, alpha: float,
               beta: float) -> DataPool:
     """K clients' samples, x (N, 60) float32, grouped by client (``client_sizes``)."""
@@ -146,8 +97,10 @@ def _tabular_loader(name: str) -> Callable[..., DataPool]:
 
 
 for _name in TABULAR:
-    register_dataset(_name, params=TabularParams, provides=(LABELS, SENSITIVE))(
-        _tabular_loader(_name))
+    # every column (the sensitive one included); the pool and its standardised copy
+    register_dataset(_name, params=TabularParams, provides=(LABELS, SENSITIVE),
+                     shape=DataShape((feature_width(_name),), 2, samples=ROW_COUNTS[_name],
+                                     copies=2.0))(_tabular_loader(_name))
 
 
 # --------------------------------------------------------------------------- partitions

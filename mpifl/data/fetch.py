@@ -1,12 +1,14 @@
 """Download the datasets' official files, verified by their published MD5 sums (image sets) or
 by SHA-256 (tabular sets: the values pinned in :data:`mpifl.data.tabular.SHA256`).
 
-Files land in ``root`` (default ``~/.cache/mpifl/data``, one of the data roots searched by
-:func:`mpifl.data.load_federated`): ``fashion-mnist/`` and ``mnist/`` hold the four gzip IDX
-files; CIFAR tarballs are kept in ``root`` and extracted to ``cifar-10-batches-py/`` and
-``cifar-100-python/``; ``adult/``, ``compas/`` and ``german/`` hold the tabular sets' files (the
-UCI and ProPublica originals; :mod:`mpifl.data.tabular` reads them). Each download goes to a temporary name and is renamed only after its
-checksum matches, so an interrupted or corrupted download never looks like a dataset. A file
+Each data set declares its files in its own module (:data:`mpifl.data.images.IMAGES`,
+:data:`mpifl.data.tabular.URLS`). They land in ``root`` (default ``~/.cache/mpifl/data``, one of
+the data roots searched by :func:`mpifl.data.load_federated`), in the data set's folder:
+``fashion-mnist/`` and ``mnist/`` hold the four gzip IDX files; CIFAR tarballs are kept in
+``root`` and extracted to ``cifar-10-batches-py/`` and ``cifar-100-python/``; ``adult/``,
+``compas/`` and ``german/`` hold the tabular sets' files (the UCI and ProPublica originals;
+:mod:`mpifl.data.tabular` reads them). Each download goes to a temporary name and is renamed
+only after its checksum matches, so an interrupted or corrupted download never looks like a dataset. A file
 already present with the right checksum is not downloaded again.
 """
 
@@ -17,74 +19,24 @@ import os
 import tarfile
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-from mpifl.data.roots import LAYOUTS, DatasetLayout, default_cache_root, locate_file
-from mpifl.data.tabular import LAYOUTS as TABULAR_LAYOUTS
-from mpifl.data.tabular import SHA256
 from mpifl.core.errors import DataError
+# the image sets declare their files and sources in their own module (IMAGES), the tabular
+# sets in theirs (URLS, SHA256)
+from mpifl.data import images as _images  # noqa: F401 -- registers SOURCES
+from mpifl.data.roots import (LAYOUTS, SOURCES, DatasetLayout, Source, default_cache_root,
+                              locate_file)
+from mpifl.data.tabular import LAYOUTS as TABULAR_LAYOUTS
+from mpifl.data.tabular import SHA256, URLS
 
 _TIMEOUT_S = 60
 
-
-@dataclass(frozen=True)
-class Source:
-    """Where a dataset's files come from: base URL, (file name, hex digest) pairs, tarball or
-    not, and the digest's hash algorithm (a :mod:`hashlib` name)."""
-
-    base_url: str
-    files: tuple[tuple[str, str], ...]
-    archive: bool = False  # True: one tarball, extracted into the root
-    algorithm: str = "md5"
-
-
-# MD5 sums as published by the dataset authors (the same values torchvision pins).
-SOURCES: dict[str, Source] = {
-    "fashion_mnist": Source(
-        "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
-        (
-            ("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
-            ("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
-            ("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
-            ("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310"),
-        ),
-    ),
-    "mnist": Source(
-        "https://ossci-datasets.s3.amazonaws.com/mnist/",
-        (
-            ("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
-            ("train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432"),
-            ("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3"),
-            ("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c"),
-        ),
-    ),
-    "cifar10": Source(
-        "https://www.cs.toronto.edu/~kriz/",
-        (("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),),
-        archive=True,
-    ),
-    "cifar100": Source(
-        "https://www.cs.toronto.edu/~kriz/",
-        (("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85"),),
-        archive=True,
-    ),
-}
-
-def _tabular(base_url: str, name: str) -> Source:
-    return Source(base_url, tuple(SHA256[name].items()), algorithm="sha256")
-
-
-# Tabular fairness sets: UCI's classic file URLs and ProPublica's repository; SHA-256 of the
-# files as published there (pinned once, in mpifl.data.tabular.SHA256).
+#: The tabular fairness sets: UCI's and ProPublica's files, by SHA-256 (pinned once, in
+#: :data:`mpifl.data.tabular.SHA256`).
 TABULAR_SOURCES: dict[str, Source] = {
-    "adult": _tabular("https://archive.ics.uci.edu/ml/machine-learning-databases/adult/",
-                      "adult"),
-    "compas": _tabular("https://raw.githubusercontent.com/propublica/compas-analysis/master/",
-                       "compas"),
-    "german": _tabular(
-        "https://archive.ics.uci.edu/ml/machine-learning-databases/statlog/german/", "german"),
-}
+    name: Source(url, tuple(SHA256[name].items()), algorithm="sha256")
+    for name, url in URLS.items()}
 FETCHABLE = tuple(SOURCES) + tuple(TABULAR_SOURCES)
 
 
@@ -99,11 +51,6 @@ def file_digest(path: Path, algorithm: str = "md5") -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def md5sum(path: Path) -> str:
-    """Hex MD5 of a file, read in 1 MiB blocks."""
-    return file_digest(path, "md5")
 
 
 def _download(url: str, dest: Path, md5: str, algorithm: str = "md5") -> None:

@@ -16,9 +16,9 @@ tff_cifar100       :mod:`.tff`           x (n, 3, 32, 32) float32, y 100 (or 20)
 flair              :mod:`.flair`         x (n, 3, 256, 256) float32, y (n, 17) multi no
 ================== ===================== =========================================== ==========
 
-Folders under a data root (:mod:`mpifl.data.roots`): ``leaf/data/<set>/data`` (LEAF's own
-output, a clone of LEAF in the root), ``tff/`` (TFF's tarballs extracted), ``flair/``
-(``flair_federated.hdf5``). A lazy set's eager pool is its lazy clients drawn in order (the
+Folders under a data root (:data:`FILES`, :mod:`mpifl.data.roots`): ``leaf/data/<set>/data``
+(LEAF's own output, a clone of LEAF in the root), ``tff/`` (TFF's tarballs extracted),
+``flair/`` (``flair_federated.hdf5``). A lazy set's eager pool is its lazy clients drawn in order (the
 same ``fill``), so they are equal bit for bit.
 """
 
@@ -37,7 +37,7 @@ from mpifl.data import leaf as L
 from mpifl.data import tff as T
 from mpifl.data.registry import (CLIENTS, LABELS, ClientSource, DataPool, DataShape, NoParams,
                                  register_dataset)
-from mpifl.data.roots import find_dataset_dir
+from mpifl.data.roots import DatasetLayout, find_dataset_dir, register_files
 
 __all__ = ["FlairParams", "LeafSent140Params", "LeafSyntheticParams", "PUBLISHED",
            "TffCifar100Params", "TffStackOverflowParams", "drawn_pool"]
@@ -64,6 +64,47 @@ SHAPES = {
 }
 PUBLISHED = ("leaf_femnist", "leaf_shakespeare", "leaf_sent140", "leaf_synthetic", "tff_emnist",
              "tff_shakespeare", "tff_stackoverflow", "tff_cifar100", "flair")
+
+_LEAF_URL = "https://github.com/TalwalkarLab/leaf"
+_TFF_URL = "https://storage.googleapis.com/tff-datasets-public/"
+
+
+def _leaf(name: str) -> DatasetLayout:
+    """LEAF's own output folder ``leaf/data/<name>/data`` (a clone of LEAF in the data root)."""
+    return DatasetLayout(
+        f"leaf/data/{name}/data", (), alternatives=(("all_data/*.json",),
+                                                    ("train/*.json", "test/*.json")),
+        source=f"clone {_LEAF_URL} into the data root and run its ./preprocess.sh in "
+               f"leaf/data/{name} (all_data/ is enough)")
+
+
+def _tff(files: tuple[str, ...], tarballs: str) -> DatasetLayout:
+    """The h5 files of TFF's tarballs, extracted into ``tff/``."""
+    return DatasetLayout("tff", files, source=f"download {tarballs} from {_TFF_URL} and "
+                                              f"extract them there (tar -xjf)")
+
+
+#: Their folders and files under a data root (:func:`mpifl.data.roots.find_dataset_dir`).
+FILES = {
+    "leaf_femnist": _leaf("femnist"),
+    "leaf_shakespeare": _leaf("shakespeare"),
+    "leaf_sent140": _leaf("sent140"),
+    "leaf_synthetic": _leaf("synthetic"),
+    "tff_emnist": _tff(("fed_emnist_train.h5", "fed_emnist_test.h5"), "fed_emnist.tar.bz2"),
+    "tff_shakespeare": _tff(("shakespeare_train.h5", "shakespeare_test.h5"),
+                            "shakespeare.tar.bz2"),
+    "tff_stackoverflow": _tff(("stackoverflow_train.h5", "stackoverflow_test.h5"),
+                              "stackoverflow.tar.bz2 (and stackoverflow.word_count.tar.bz2 for "
+                              "TFF's vocabulary)"),
+    "tff_cifar100": _tff(("fed_cifar100_train.h5", "fed_cifar100_test.h5"),
+                         "fed_cifar100.tar.bz2"),
+    "flair": DatasetLayout(
+        "flair", ("flair_federated.hdf5",),
+        source="make it with apple/pfl-research's `python -m dataset.flair.download_preprocess "
+               "--output_file flair_federated.hdf5` (benchmarks/dataset/flair)"),
+}
+for _name in PUBLISHED:
+    register_files(_name, FILES[_name])
 
 
 def drawn_pool(source: ClientSource, y_dtype: type = np.int64,

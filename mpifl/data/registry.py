@@ -20,6 +20,11 @@ unchecked. A data set declares what its pool ``provides`` and a partition what i
 (:data:`LABELS`, :data:`SENSITIVE`, :data:`RAW`, :data:`CLIENTS`); :mod:`mpifl.data.compat`
 checks the pairs, for the config and :func:`mpifl.data.load_federated` alike.
 
+A data set declares its sizes with ``shape=`` (:class:`DataShape`: N, one sample's shape, the
+classes), which the memory budget (:mod:`mpifl.experiment.budget`) reads before anything
+loads; a data set read from files declares them beside it (:func:`mpifl.data.roots.
+register_files`).
+
 A data set whose clients can be drawn one at a time also declares ``lazy=``: a factory of the
 :class:`ClientSource` that :func:`mpifl.data.lazy.load_population` builds a lazy population
 from (K = 10^6 clients without holding their samples). Synthetic declares one.
@@ -198,7 +203,10 @@ class DataShape:
         vocab_size: V for token inputs (int64 ids), None for float32 features.
         target_shape: () one label a sample, (T,) sequence targets.
         copies: float32 copies of the inputs the loader holds at its peak (e.g. 1.25 for a
-            float32 pool converted from uint8 images).
+            float32 pool converted from uint8 images, 2 for a pool standardised into a copy).
+        key: the config key a budget refusal names: ``"data.dataset"`` for a set its files
+            bound, ``"data.num_clients"`` for one generated per client (its N, an expectation,
+            grows with K).
     """
 
     input_shape: tuple[int, ...]
@@ -208,6 +216,7 @@ class DataShape:
     vocab_size: int | None = None
     target_shape: tuple[int, ...] = ()
     copies: float = 1.0
+    key: str = "data.dataset"
 
     def num_samples(self, num_clients: int) -> float:
         """N for K clients."""

@@ -1,4 +1,6 @@
-"""Where datasets live on disk: the data roots searched and each dataset's folder.
+"""Where datasets live on disk: the data roots searched and each dataset's folder, which the
+dataset's own module declares (:func:`register_files`, with where ``mpifl data fetch`` gets its
+files when it does).
 
 A root the user names is the only one searched, and must hold the dataset:
 
@@ -34,6 +36,8 @@ class DatasetLayout:
     groups; an entry may be a glob pattern (``all_data/*.json``: at least one match).
     ``source``: where to get the files, for the "not found" message (sets not fetched by
     ``mpifl data fetch``).
+    ``elsewhere``: another way to get them besides ``mpifl data fetch``, for that message
+    (e.g. a distribution's package).
     """
 
     subdir: str
@@ -41,62 +45,41 @@ class DatasetLayout:
     gz_ok: bool = False
     alternatives: tuple[tuple[str, ...], ...] = ()
     source: str = ""
+    elsewhere: str = ""
 
 
-_IDX_FILES = (
-    "train-images-idx3-ubyte",
-    "train-labels-idx1-ubyte",
-    "t10k-images-idx3-ubyte",
-    "t10k-labels-idx1-ubyte",
-)
+@dataclass(frozen=True)
+class Source:
+    """Where a dataset's files come from (``mpifl data fetch``, :mod:`mpifl.data.fetch`): base
+    URL, (file name, hex digest) pairs, tarball or not, and the digest's hash algorithm (a
+    :mod:`hashlib` name)."""
 
-LAYOUTS: dict[str, DatasetLayout] = {
-    "fashion_mnist": DatasetLayout("fashion-mnist", _IDX_FILES, gz_ok=True),
-    "mnist": DatasetLayout("mnist", _IDX_FILES, gz_ok=True),
-    "cifar10": DatasetLayout(
-        "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
-    ),
-    "cifar100": DatasetLayout("cifar-100-python", ("train", "test")),
-}
-
-_LEAF_URL = "https://github.com/TalwalkarLab/leaf"
-_TFF_URL = "https://storage.googleapis.com/tff-datasets-public/"
+    base_url: str
+    files: tuple[tuple[str, str], ...]
+    archive: bool = False  # True: one tarball, extracted into the root
+    algorithm: str = "md5"
 
 
-def _leaf(name: str) -> DatasetLayout:
-    """LEAF's own output folder ``leaf/data/<name>/data`` (a clone of LEAF in the data root)."""
-    return DatasetLayout(
-        f"leaf/data/{name}/data", (), alternatives=(("all_data/*.json",),
-                                                    ("train/*.json", "test/*.json")),
-        source=f"clone {_LEAF_URL} into the data root and run its ./preprocess.sh in "
-               f"leaf/data/{name} (all_data/ is enough)")
+#: Each dataset read from a data root: its folder and files, registered by the dataset's own
+#: module (:func:`register_files`; :mod:`mpifl.data.images`, :mod:`mpifl.data.published`).
+LAYOUTS: dict[str, DatasetLayout] = {}
+#: Those that ``mpifl data fetch`` downloads: where from, with their checksums.
+SOURCES: dict[str, Source] = {}
 
 
-def _tff(files: tuple[str, ...], tarballs: str) -> DatasetLayout:
-    """The h5 files of TFF's tarballs, extracted into ``tff/``."""
-    return DatasetLayout("tff", files, source=f"download {tarballs} from {_TFF_URL} and "
-                                              f"extract them there (tar -xjf)")
+def register_files(name: str, layout: DatasetLayout, source: Source | None = None) -> None:
+    """Declare where dataset ``name``'s files live under a data root (:func:`find_dataset_dir`)
+    and, with ``source``, where ``mpifl data fetch`` downloads them.
 
-
-#: The federated benchmarks as published (mpifl.data.published).
-LAYOUTS.update({
-    "leaf_femnist": _leaf("femnist"),
-    "leaf_shakespeare": _leaf("shakespeare"),
-    "leaf_sent140": _leaf("sent140"),
-    "leaf_synthetic": _leaf("synthetic"),
-    "tff_emnist": _tff(("fed_emnist_train.h5", "fed_emnist_test.h5"), "fed_emnist.tar.bz2"),
-    "tff_shakespeare": _tff(("shakespeare_train.h5", "shakespeare_test.h5"),
-                            "shakespeare.tar.bz2"),
-    "tff_stackoverflow": _tff(("stackoverflow_train.h5", "stackoverflow_test.h5"),
-                              "stackoverflow.tar.bz2 (and stackoverflow.word_count.tar.bz2 for "
-                              "TFF's vocabulary)"),
-    "tff_cifar100": _tff(("fed_cifar100_train.h5", "fed_cifar100_test.h5"),
-                         "fed_cifar100.tar.bz2"),
-    "flair": DatasetLayout(
-        "flair", ("flair_federated.hdf5",),
-        source="make it with apple/pfl-research's `python -m dataset.flair.download_preprocess "
-               "--output_file flair_federated.hdf5` (benchmarks/dataset/flair)"),
-})
+    Raises:
+        ValueError: ``name`` already declares other files.
+    """
+    old = LAYOUTS.get(name)
+    if old is not None and (old, SOURCES.get(name)) != (layout, source):
+        raise ValueError(f"dataset {name!r} already declares its files ({old.subdir}/)")
+    LAYOUTS[name] = layout
+    if source is not None:
+        SOURCES[name] = source
 
 
 def default_cache_root() -> Path:
@@ -205,11 +188,12 @@ def locate_file(folder: Path, name: str, gz_ok: bool) -> Path | None:
 
 
 def _how_to_get(name: str) -> str:
-    if LAYOUTS[name].source:
-        return LAYOUTS[name].source
+    layout = LAYOUTS[name]
+    if layout.source:
+        return layout.source
     hint = f"get it with `mpifl data fetch {name}`"
-    if name == "fashion_mnist":
-        hint += " or `apt-get install dataset-fashion-mnist`"
+    if layout.elsewhere:
+        hint += f" or {layout.elsewhere}"
     return hint
 
 

@@ -93,6 +93,11 @@ SHA256: dict[str, dict[str, str]] = {
     },
 }
 
+#: where ``mpifl data fetch`` downloads them: UCI's classic file URLs and ProPublica's repository
+URLS = {"adult": "https://archive.ics.uci.edu/ml/machine-learning-databases/adult/",
+        "compas": "https://raw.githubusercontent.com/propublica/compas-analysis/master/",
+        "german": "https://archive.ics.uci.edu/ml/machine-learning-databases/statlog/german/"}
+
 #: rows kept by the readers (see the module docstring)
 ROW_COUNTS = {"adult": 45_222, "compas": 6_172, "german": 1_000}
 

@@ -25,7 +25,8 @@ from mpifl.core.errors import ConfigError, MpiflError, OutputError
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
 from mpifl.data import load_federated
-from mpifl.data.lazy import load_population
+from mpifl.data.federated import FederatedData
+from mpifl.data.lazy import LazyPopulation, load_population
 from mpifl.experiment.plan import Plan
 from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
@@ -43,7 +44,7 @@ log = logging.getLogger("mpifl")
 
 @dataclass
 class Parts:
-    fed: object
+    fed: FederatedData | LazyPopulation
     model: torch.nn.Module
     layout: ParamLayout
     w0: torch.Tensor  # (d,) float32 initial global parameters (and float buffers)

@@ -1,29 +1,31 @@
 """What a run will need, estimated from its config alone, before anything is built.
 
 :func:`check_budget` runs first in :func:`mpifl.experiment.plan.make_plan`, on every rank:
-no data is loaded or drawn and no model is allocated (the built-in models are built on torch's
-``meta`` device, which holds shapes only), so an impossible size fails in a second, with one
+no data is loaded or drawn and no model is allocated (a model is built on torch's ``meta``
+device, which holds shapes only), so an impossible size fails in a second, with one
 line naming the config key, its value and the memory it would take, instead of running for
 minutes before the machine runs out of memory.
 
 The estimate, in bytes, adds up what the ranks on this node hold (L of them; every rank holds
 the whole data set and the model, rank 0 also the server's matrices):
 
-- **data** (every rank): N samples x (sample bytes + 8 label + 8 train/test index), plus
-  ``PER_CLIENT_BYTES`` of per-client bookkeeping (CSR offsets, the partition's and the split's
-  per-client arrays while they are built). Synthetic: N = K x E[n_k] (:func:`mpifl.data.
-  synthetic.expected_samples_per_client`, about 237), 60 float32 features. The image and
-  tabular sets are bounded by their files (N their nominal pool; the loader refuses more
-  clients than the pool can split, so K counts up to N here); the benchmark readers and
-  stand-ins declare theirs at registration (:class:`mpifl.data.registry.DataShape`: a fixed N
-  or a mean client size, int64 token ids at 8 bytes); a plugin data set that declares none
-  counts as 0. A lazy population (``data.lazy``) holds instead
+- **data** (every rank): N samples x (their inputs and targets + ``INDEX_BYTES`` of
+  train/test index), plus ``PER_CLIENT_BYTES`` of per-client bookkeeping (CSR offsets, the
+  partition's and the split's per-client arrays while they are built). Every data set states
+  its sizes once, at registration (:class:`mpifl.data.registry.DataShape`): a fixed N, the
+  nominal pool its files bound (the image and tabular sets; the loader refuses more clients
+  than the pool can split, so K counts up to N here), or a mean client size (Synthetic: N = K
+  x E[n_k], :func:`mpifl.data.synthetic.expected_samples_per_client`, about 237); float32
+  features times the copies its loader holds, int64 token ids at 8 bytes. A data set that
+  declares none counts as 0. A lazy population (``data.lazy``) holds instead
   ``LAZY_PER_CLIENT_BYTES`` a client (its sample counts and selection's (K,) temporaries) and
   the largest window it draws at once: a worker's share of the round's clients, or a streamed
   evaluation's ``run.eval_window_samples`` samples.
 - **model** (every rank): ``MODEL_COPIES`` float32 copies of the d parameters (the model, the
-  initial and current flat vectors, the trainer's). d comes from the built-in model built on
-  the meta device for the data set's input shape; unknown (0) for a plugin model or data set.
+  initial and current flat vectors, the trainer's). d is counted as the model's registration
+  says (:func:`mpifl.models.zoo.register_model`: built on the meta device for the data set's
+  input shape, or its own ``size`` function); unknown (0) for a factory registered without
+  one, or a data set that declares no sizes.
 - **training** (each worker rank): the clients it trains at once, ``TRAIN_COPIES`` x d floats
   each, at most ``client.memory_budget_mb`` (the trainer chunks to it) but at least one client.
 - **updates** (rank 0, or spread over the ``server.shards`` ranks): the round's (m, d) update
@@ -59,19 +61,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
-from mpifl.data import synthetic
 from mpifl.data.registry import DATASET_LOADERS, DataShape, data_shape
-from mpifl.data.tabular import ROW_COUNTS, SCHEMAS, TABULAR
 from mpifl.experiment.config import Config
-from mpifl.models import MODEL_FACTORIES, MODELS, get_loss
-from mpifl.models.zoo import model_params
+from mpifl.models import MODEL_FACTORIES, get_loss
+from mpifl.models.zoo import model_params, parameter_count
 
 #: the environment variable that sets this node's memory limit in MiB (tests, shared nodes)
 LIMIT_VAR = "MPIFL_MEMORY_LIMIT_MB"
+#: a sample's place in its client's train or test index (int64)
+INDEX_BYTES = 8
 #: per-client bookkeeping while the data are set up: CSR offsets and the partition's and the
 #: split's per-client numpy arrays (about 100 bytes of object each), label counts
 PER_CLIENT_BYTES = 600
@@ -85,10 +85,6 @@ TRAIN_COPIES = 4
 #: bytes a round adds to rank 0's results besides its (m,) rows: ~16 scalar columns as Python
 #: floats in lists and the per-round numpy rows' headers
 ROUND_BYTES = 900
-
-#: nominal pools of the built-in file-bound sets: (samples, input shape, classes, raw uint8)
-_IMAGE_POOLS = {"fashion_mnist": (70_000, (1, 28, 28), 10), "mnist": (70_000, (1, 28, 28), 10),
-                "cifar10": (60_000, (3, 32, 32), 10), "cifar100": (60_000, (3, 32, 32), 100)}
 
 
 @dataclass(frozen=True)
@@ -226,27 +222,17 @@ def available_memory() -> tuple[float, str]:
 # ------------------------------------------------------------------------------------ the parts
 
 def _data_shape(cfg: Config) -> tuple[float | None, tuple[int, ...] | None, int | None, float]:
-    """(samples N, input shape, classes C, bytes per sample) of a built-in data set, from the
-    config; (None, None, None, 0) for a plugin data set."""
+    """(samples N, input shape, classes C, bytes per sample: inputs and targets) of the data
+    set, as it declares them at registration; (None, None, None, 0) for one that declares none."""
     d = cfg.data
-    if d.dataset == "synthetic":
-        n = d.num_clients * synthetic.expected_samples_per_client()
-        return n, (synthetic.NUM_FEATURES,), synthetic.NUM_CLASSES, 4.0 * synthetic.NUM_FEATURES
-    if d.dataset in _IMAGE_POOLS:
-        n, shape, c = _IMAGE_POOLS[d.dataset]
-        if d.partition == "one_class_per_client":
-            c = len(d.partition_params["classes"])
-        # float32 pool plus the raw uint8 images it is converted from
-        return float(n), shape, c, 5.0 * math.prod(shape)
-    if d.dataset in TABULAR:
-        width = sum(1 if values is None else len(values) for _, values in SCHEMAS[d.dataset])
-        # the reader's float32 pool and its standardised copy
-        return float(ROW_COUNTS[d.dataset]), (width,), 2, 8.0 * width
     declared = _declared(d.dataset)
-    if declared is not None:
-        return (declared.num_samples(d.num_clients), declared.input_shape,
-                declared.num_classes, declared.sample_bytes())
-    return None, None, None, 0.0
+    if declared is None:
+        return None, None, None, 0.0
+    c = declared.num_classes
+    if d.partition == "one_class_per_client":  # relabels its chosen classes 0..len - 1
+        c = len(d.partition_params["classes"])
+    return (declared.num_samples(d.num_clients), declared.input_shape, c,
+            declared.sample_bytes())
 
 
 def _declared(name: str) -> DataShape | None:
@@ -259,26 +245,20 @@ def _declared(name: str) -> DataShape | None:
 
 def model_size(cfg: Config, input_shape: tuple[int, ...], num_classes: int,
                vocab_size: int | None = None) -> tuple[int, int] | None:
-    """(d, layers) of a built-in model for this input, built on the meta device (no memory);
-    None for a plugin model (its factory is not run twice) or one that cannot be built (the
-    real build then reports why)."""
+    """(d, layers) of the config's model for this input, as its registration says to count it
+    (:func:`mpifl.models.zoo.register_model`: built on the meta device, no memory); None for a
+    factory registered without a ``size`` (it is not run twice) or one that cannot be built
+    (the real build then reports why)."""
     name = cfg.model.name
-    if name not in MODELS:
-        return None
-    factory = MODEL_FACTORIES.get(name)
     params = model_params(name, cfg.model.hidden, cfg.model.params)
-    if vocab_size is not None and "vocab_size" in inspect.signature(factory).parameters:
-        params.setdefault("vocab_size", int(vocab_size))
     try:
+        factory = MODEL_FACTORIES.get(name)
+        if vocab_size is not None and "vocab_size" in inspect.signature(factory).parameters:
+            params.setdefault("vocab_size", int(vocab_size))
         width = get_loss(cfg.model.loss).width(num_classes)
-        with torch.device("meta"):
-            model = factory(input_shape, width, seed=cfg.run.seed, **params)
-        named = list(model.named_parameters())
-        d = sum(p.numel() for _, p in named)
-        d += sum(b.numel() for b in model.buffers() if b.is_floating_point())
-    except Exception:  # noqa: BLE001 -- the real build names the problem
+    except Exception:  # noqa: BLE001 -- validation and the real build name the problem
         return None
-    return int(d), max(1, len(named))
+    return parameter_count(name, input_shape, width, seed=cfg.run.seed, params=params)
 
 
 def _model_key(cfg: Config) -> tuple[str, Any]:
@@ -339,8 +319,9 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
     workers = max(world - 1, 1)
     k = d_cfg.num_clients
     samples, shape, classes, sample_bytes = _data_shape(cfg)
-    if samples is not None and d_cfg.dataset != "synthetic":
-        k = min(k, int(samples))  # the loader refuses more clients than the pool can split
+    declared = _declared(d_cfg.dataset)
+    if declared is not None and declared.samples is not None:
+        k = min(k, declared.samples)  # the loader refuses more clients than the pool can split
     m = k if s.sampling == "all" else min(s.clients_per_round, k)
     m_key, m_value = (("server.sampling", "all") if s.sampling == "all"
                       else ("server.clients_per_round", s.clients_per_round))
@@ -348,16 +329,16 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
     needs: list[Need] = []
 
     # data: every rank holds the whole set (a lazy population: its counts and one window)
-    data_bytes = (samples or 0.0) * (sample_bytes + 16.0) + PER_CLIENT_BYTES * k
+    data_bytes = (samples or 0.0) * (sample_bytes + INDEX_BYTES) + PER_CLIENT_BYTES * k
     if d_cfg.lazy and samples is not None:
         per_client = samples / max(k, 1)
         window = max(-(-m // workers) * per_client, cfg.run.eval_window_samples)
-        data_bytes = LAZY_PER_CLIENT_BYTES * k + 2 * window * (sample_bytes + 16.0)
+        data_bytes = LAZY_PER_CLIENT_BYTES * k + 2 * window * (sample_bytes + INDEX_BYTES)
         what = (f"a lazy population of {k:,} clients, drawing up to {count_text(window)} "
                 f"samples at once")
         key, value = "data.num_clients", d_cfg.num_clients
-    elif d_cfg.dataset == "synthetic":
-        what = f"the synthetic data set would hold ~{count_text(samples)} samples"
+    elif declared is not None and declared.key == "data.num_clients":
+        what = f"the {d_cfg.dataset} data set would hold ~{count_text(samples or 0.0)} samples"
         key, value = "data.num_clients", d_cfg.num_clients
     elif samples is not None:
         what = f"the {d_cfg.dataset} data set holds {samples:,.0f} samples for {k:,} clients"
@@ -367,7 +348,6 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
         key, value = "data.num_clients", d_cfg.num_clients
     needs.append(Need(key, value, what, data_bytes, every, nodes_ranks))
 
-    declared = _declared(d_cfg.dataset)
     vocab = declared.vocab_size if declared is not None else None
     built = model_size(cfg, shape, classes, vocab) if shape is not None else None
     d, layers = built if built is not None else (None, 1)

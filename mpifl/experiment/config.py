@@ -49,8 +49,9 @@ INT32_MAX = 2**31 - 1  # counts stored as int32/int64 and used as tensor sizes
 
 
 class _Section(BaseModel):
+    # a field's docstring is its description (docs/hooks.py builds the reference from it)
     model_config = ConfigDict(strict=True, extra="forbid", validate_default=True,
-                              allow_inf_nan=False)
+                              allow_inf_nan=False, use_attribute_docstrings=True)
 
 
 #: the shortest set-up bound accepted (run.init_timeout_s, run.setup_timeout_s): a launch
@@ -71,60 +72,68 @@ SetupBound = Annotated[float, Field(ge=0.0, le=1e7), AfterValidator(_setup_bound
 
 class RunConfig(_Section):
     name: str = "run"
-    # keys numpy's and torch's generators; < 2^63 so it fits an int64 attribute and torch
+    """The run's name: the default results file is runs/<name>.h5 (a plain name, no path)."""
     seed: int = Field(0, ge=0, le=2**63 - 1)
+    """Keys every random draw (numpy's and torch's generators, by seed, round and client);
+    < 2^63 so it fits an int64 attribute and torch."""
     rounds: int = Field(100, ge=1, le=INT32_MAX)
+    """Server rounds to run (a resume may raise it: mpifl resume --rounds)."""
     eval_every: int = Field(10, ge=1, le=INT32_MAX)
-    # rounds between checkpoints; not set: 2% of run.rounds, held back while checkpoints would
-    # take over 4% of the run's time (mpifl/runtime/schedule.py); N: every N-th round exactly;
-    # 0: no periodic checkpoints at all (only at the end and when stopped by a signal)
+    """Rounds between evaluations of the global model on every client's test split (the last
+    round is always evaluated)."""
     checkpoint_every: int | None = Field(None, ge=0, le=INT32_MAX)
-    # wall-clock minutes between checkpoints (besides checkpoint_every's rounds); 0: by rounds
-    # only. Checkpoints keep the last 2, so a killed or preempted run resumes (mpifl resume)
+    """Rounds between checkpoints. Not set: 2% of run.rounds, held back while checkpoints would
+    take over 4% of the run's time (mpifl/runtime/schedule.py); N: every N-th round exactly;
+    0: no periodic checkpoints at all (only at the end and when stopped by a signal)."""
     checkpoint_minutes: float = Field(5.0, ge=0.0, le=1e6)
-    # seconds between progress lines in the log ("round r/R, s/round, ETA, peak memory, last
-    # metrics"), for batch jobs where the progress bar does not show; 0 = none
+    """Wall-clock minutes between checkpoints (besides checkpoint_every's rounds); 0: by rounds
+    only. The last 2 checkpoints are kept, so a killed or preempted run resumes (mpifl resume)."""
     progress_every_s: float = Field(30.0, ge=0.0, le=1e7)
-    # live loggers on rank 0 (mpifl.runtime.loggers.LOGGERS): "csv", "tensorboard", "wandb"
+    """Seconds between progress lines in the log (round, s/round, ETA, peak memory, last
+    metrics), for batch jobs where the progress bar does not show; 0 = none."""
     loggers: list[str] = Field(default_factory=list)
-    # seconds a rank waits for the others before ending the job (a hung rank, a lost node);
-    # 0 = forever. Set it above the longest phase (a round's training; aggregation + evaluation
-    # + checkpoint)
+    """Live loggers on rank 0 (mpifl.runtime.loggers.LOGGERS): "csv", "tensorboard",
+    "wandb"."""
     peer_timeout_s: float = Field(0.0, ge=0.0, le=1e7)
-    # seconds a rank may spend in MPI_Init (every rank waits there for all the others) before
-    # the job ends with one line naming the ranks that did not reach it (mpifl.runtime.
-    # init_watch), which a SLURM job then launches again; 0 = forever, else at least
-    # MIN_SETUP_BOUND_S. Above the spread of the ranks' start-up times (imports on a slow disk)
+    """Seconds a rank waits for the others before ending the job with status 4 (a hung rank, a
+    lost node); 0 = forever. Set it above the longest phase (a round's training; aggregation +
+    evaluation + checkpoint)."""
     init_timeout_s: SetupBound = 120.0
-    # seconds a rank waits for the others at each step of set-up (plugins, config, data, model,
-    # checkpoint) before ending every rank with status 2, rank 0 naming the ranks that did not
-    # finish it; 0 = forever, else at least MIN_SETUP_BOUND_S. Above the slowest rank's set-up
-    # step (reading a large checkpoint, building a large population)
+    """Seconds a rank may spend in MPI_Init (every rank waits there for all the others) before
+    the job ends with one line naming the ranks that did not reach it (mpifl.runtime.init_watch),
+    which a SLURM job then launches again; 0 = forever, else at least 5. Above the spread of the
+    ranks' start-up times (imports on a slow disk)."""
     setup_timeout_s: SetupBound = 180.0
-    # torch/OpenMP and BLAS threads of each rank (mpifl.runtime.threads): 0 = OMP_NUM_THREADS
-    # when set, else the cores this process may use divided among the ranks on its node. Stored
-    # in the results (attribute "threads"); a run is bit-identical only on the same count
+    """Seconds a rank waits for the others at each step of set-up (plugins, config, data, model,
+    checkpoint) before ending every rank with status 2, rank 0 naming the ranks that did not
+    finish it; 0 = forever, else at least 5. Above the slowest rank's set-up step (reading a
+    large checkpoint, building a large population)."""
     threads: int = Field(0, ge=0, le=4096)
-    # exact GPU kernels (mpifl.runtime.determinism): deterministic algorithms, no TF32, no cuDNN
-    # autotuning; false trades bit-identical GPU runs for speed. CPU results are the same either way
+    """Torch/OpenMP and BLAS threads of each rank (mpifl.runtime.threads): 0 = OMP_NUM_THREADS
+    when set, else the cores this process may use divided among the ranks on its node. Stored in
+    the results (attribute "threads"); a run is bit-identical only on the same count."""
     deterministic: bool = True
-    # evaluation after local adaptation: at every evaluation each client also trains the global
-    # model for this many epochs of plain local SGD on its training split (client section's
-    # settings) and is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable
-    # on resume (it decides which columns the results hold)
+    """Exact GPU kernels (mpifl.runtime.determinism): deterministic algorithms, no TF32, no
+    cuDNN autotuning; false trades bit-identical GPU runs for speed. CPU results are the same
+    either way."""
     adapt_epochs: int = Field(0, ge=0, le=100_000)
-    # clients each evaluation tests: a random subset of this many, keyed by the seed and the
-    # round (resumed exactly), stored with NaN for the others; the evaluation's summaries are
-    # then estimates over them (populations too large to evaluate whole). 0 = every client
+    """Evaluation after local adaptation: at every evaluation each client also trains the global
+    model for this many epochs of plain local SGD on its training split ([client] settings) and
+    is evaluated on its test split (/eval/adapted/...); 0 = off. Not changeable on resume (it
+    decides which columns the results hold)."""
     eval_clients: int = Field(0, ge=0, le=INT32_MAX)
-    # with eval_clients: the evaluation after every multiple of this many rounds, and the last
-    # one, tests every client instead (a lazy population streams them through the workers in
-    # windows); 0 = every evaluation is sampled
+    """Clients each evaluation tests: a random subset of this many, keyed by the seed and the
+    round (resumed exactly), stored with NaN for the others; the evaluation's summaries are then
+    estimates over them (populations too large to evaluate whole). 0 = every client."""
     full_eval_every: int = Field(0, ge=0, le=INT32_MAX)
-    # samples of a lazy population drawn at once in a streamed evaluation (a window); progress
-    # lines count windows and a stop signal (SIGTERM) stops an evaluation at its next window.
-    # Smaller: finer progress and a faster stop, more overhead a window
+    """With eval_clients: the evaluation after every multiple of this many rounds, and the last
+    one, tests every client instead (a lazy population streams them through the workers in
+    windows); 0 = every evaluation is sampled."""
     eval_window_samples: int = Field(2**18, ge=1, le=2**40)
+    """Samples of a lazy population drawn at once in a streamed evaluation (a window); progress
+    lines count windows and a stop signal (SIGTERM) stops an evaluation at its next window.
+    Smaller: finer progress and a faster stop, more overhead a window. Not changeable on
+    resume."""
 
 
 class PluginsConfig(_Section):
@@ -132,8 +141,11 @@ class PluginsConfig(_Section):
     rules, models, data sets and partitions (mpifl.plugin's decorators)."""
 
     modules: list[str] = Field(default_factory=list)
-    # folders put in front of sys.path (relative to the working directory)
+    """Plugin modules imported on every rank first (beside the job file, on plugins.path, or
+    installed)."""
     path: list[str] = Field(default_factory=list)
+    """Folders put in front of sys.path (relative to the job file; stored absolute); the job
+    file's own folder is always searched."""
 
 
 class DataConfig(_Section):
@@ -145,20 +157,29 @@ class DataConfig(_Section):
     read, for job files, ``--set`` and sweeps (which name ``section.key``) and stored configs:
     moved into the table of the entry that reads them (:func:`mpifl.data.compat.nest_params`)."""
 
-    # a built-in or plugin data set / partition, or "pkg.module:function" (checked by name later)
     dataset: str = "fashion_mnist"
+    """The data set: a built-in or plugin name, or "pkg.module:function" (checked by name once
+    the plugins are loaded)."""
     partition: str = "shards"
+    """How the pooled samples are split into clients: a built-in or plugin partition, or
+    "pkg.module:function" (docs/ALGORITHMS.md §8)."""
     num_clients: int = Field(100, ge=1, le=INT32_MAX)
+    """K, the clients of the population."""
     train_fraction: float = Field(0.8, gt=0.0, lt=1.0)
+    """Share of each client's samples in its local training split; the rest is its test
+    split."""
     data_root: str | None = None
-    # the data set loader's / the partition's keywords (e.g. synthetic alpha, beta; dirichlet
-    # alpha; pathological classes_per_client; one_class_per_client classes; group_skew
-    # heterogeneity or group_proportions; tabular sensitive_feature)
+    """The only folder data are read from (else $MPIFL_DATA, else ~/.cache/mpifl/data and
+    /usr/share/datasets); a missing root or file is a one-line error naming it."""
     params: dict[str, Any] = Field(default_factory=dict)
+    """The data set loader's keywords (e.g. synthetic's alpha, beta; the tabular sets'
+    sensitive_feature), validated by its Params."""
     partition_params: dict[str, Any] = Field(default_factory=dict)
-    # draw each round's clients on demand (mpifl.data.lazy; data sets that declare lazy=, the
-    # natural partition): memory O(K) small numbers instead of O(K x samples)
+    """The partition's keywords (e.g. dirichlet's alpha; pathological's classes_per_client;
+    one_class_per_client's classes; group_skew's heterogeneity or group_proportions)."""
     lazy: bool = False
+    """Draw each request's clients on demand (mpifl.data.lazy; data sets that declare lazy=,
+    the natural partition): memory O(K) small numbers instead of O(K x samples)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -171,68 +192,93 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    # a built-in or plugin model, or "pkg.module:factory" (checked by name later)
     name: str = "mlp"
-    # hidden layer widths of the built-in mlp (no other model reads them: a plugin model takes
-    # its own parameters, a "hidden" of its own included, from [model.params] only)
+    """The model: a built-in or plugin model, or "pkg.module:factory" (checked by name once the
+    plugins are loaded)."""
     hidden: list[Annotated[int, Field(ge=1, le=2**20)]] = Field(
         default_factory=lambda: [200, 200], max_length=64)
+    """Hidden layer widths of the built-in mlp (no other model reads them: a plugin model takes
+    its own parameters, a "hidden" of its own included, from [model.params] only)."""
     output: Literal["logits", "softmax"] = "logits"
-    # the training and evaluation loss: cross_entropy, bce, mse, a plugin's, or "pkg.module:obj"
-    # (mpifl/models/losses.py; checked by name later)
+    """What the built-in models output: "logits", or "softmax" (the FedFV authors' double
+    softmax under cross-entropy)."""
     loss: str = "cross_entropy"
-    # where BatchNorm's state lives (ALGORITHMS.md §9): "global" (statistics travel in w and are
-    # aggregated like parameters), "local" (FedBN: statistics and affine parameters stay with
-    # each client), "local_stats" (SiloBN: only the statistics stay)
+    """The training and evaluation loss: cross_entropy, bce, mse, token_cross_entropy, a
+    plugin's, or "pkg.module:fn" (mpifl/models/losses.py; checked by name later)."""
     batchnorm: Literal["global", "local", "local_stats"] = "global"
-    # keyword arguments of a plugin model's factory
+    """Where BatchNorm's state lives (ALGORITHMS.md §9): "global" (statistics travel in w and
+    are aggregated like parameters), "local" (FedBN: statistics and affine parameters stay with
+    each client), "local_stats" (SiloBN: only the statistics stay)."""
     params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the model's factory (a plugin model's, or a built-in one's own, e.g.
+    char_lstm's hidden_size)."""
 
 
 class ClientConfig(_Section):
     epochs: int = Field(1, ge=1, le=100_000)
+    """E, local epochs over the client's training split each round."""
     batch_size: int = Field(50, ge=0, le=INT32_MAX)
-    # float32 training: a larger step overflows the parameters in one step
+    """B, local minibatch size; 0 = full batch (one step an epoch)."""
     lr: float = Field(0.1, gt=0.0, le=1e3)
+    """Local SGD learning rate (at most 1000: in float32 a larger step overflows the parameters
+    in one step)."""
     lr_decay: float = Field(1.0, gt=0.0, le=1.0)
+    """Learning-rate decay a round: lr_t = lr * lr_decay^t; 1 = constant."""
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    """Local SGD momentum, restarted every round; 0 = plain SGD."""
     weight_decay: float = Field(0.0, ge=0.0, le=1e3)
+    """Local L2 weight decay added to the gradient; 0 = none."""
     memory_budget_mb: float = Field(1024.0, gt=0.0, le=2.0**30)
+    """Memory (MB) a worker may use for clients trained at once; the round's clients are
+    trained in chunks that fit. Changes no result."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    # local training path: "vmap" (vectorised clients), "loop" (one client at a time, any model:
-    # the oracle), "auto" (the fastest correct one for the model and device, logged and stored
-    # in the results as the attribute "trainer"; pin it for bit-for-bit reproducibility)
+    """Probability that a selected client drops out of a round (keyed by seed, round and client;
+    counted in /rounds/dropped)."""
     trainer: Literal["auto", "vmap", "loop"] = "auto"
+    """Local training path: "vmap" (vectorised clients), "loop" (one client at a time, any
+    model: the oracle), "auto" (the fastest correct one for the model and device, logged and
+    stored in the results as the attribute "trainer"; pin it for bit-for-bit
+    reproducibility)."""
 
 
 class ServerConfig(_Section):
     algorithm: str = "fedavg"
+    """The aggregation rule: a registered name (its hyper-parameters are the table of that name)
+    or "pkg.module:Class"."""
     clients_per_round: int = Field(10, ge=1, le=INT32_MAX)
+    """m, the clients selected each round."""
     sampling: Literal["uniform", "weighted", "all"] = "uniform"
+    """How clients are selected: "uniform" without replacement, "weighted" by their samples,
+    or "all" every round."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where training and aggregation run: "auto" takes a GPU when torch sees one (each rank
+    cuda:(local rank % GPUs))."""
     max_update_norm: float | None = Field(None, gt=0.0)
-    # FedMeta's meta step (ALGORITHMS.md §6, table [fedmeta]) after every aggregation, on top of
-    # any rule
+    """Updates with a larger L2 norm are rejected (counted in /rounds/rejected), like NaN/Inf
+    ones; none = no bound."""
     meta: bool = False
-    # coordinate shards of the server (issue 14; docs/ARCHITECTURE.md "Sharded server"): ranks
-    # 0 .. shards-1 each aggregate one block of the parameters; 1 = rank 0 alone (the oracle)
+    """FedMeta's meta step (ALGORITHMS.md §6, table [fedmeta]) after every aggregation, on top
+    of any rule."""
     shards: int = Field(1, ge=1, le=4096)
-    # server optimizer after the rule (docs/ALGORITHMS.md "Server optimizers"; Reddi et al.,
-    # ICLR 2021): sgd (the rule's step x lr), momentum (FedAvgM), adagrad, adam, yogi
+    """Coordinate shards of the server (docs/ARCHITECTURE.md "Sharded server"): ranks 0 ..
+    shards-1 each aggregate one block of the parameters; 1 = rank 0 alone (the oracle)."""
     optimizer: Literal["sgd", "momentum", "adagrad", "adam", "yogi"] = "sgd"
-    # server learning rate eta (1 with sgd: the rule alone)
+    """Server optimizer after the rule (docs/ALGORITHMS.md "Server optimizers"; Reddi et al.,
+    ICLR 2021): sgd (the rule's step x lr), momentum (FedAvgM), adagrad, adam, yogi."""
     lr: float = Field(1.0, gt=0.0, le=1e3)
-    # FedAvgM's momentum beta (optimizer = "momentum")
+    """Server learning rate eta (1 with sgd: the rule's step alone)."""
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    # beta1, beta2 of adagrad/adam/yogi (adagrad uses beta1 only)
+    """FedAvgM's momentum beta (optimizer = "momentum")."""
     betas: list[Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
         default_factory=lambda: [0.9, 0.99], min_length=2, max_length=2)
-    # tau, the adaptivity of adagrad/adam/yogi: added to sqrt(v); v starts at tau^2
+    """beta1, beta2 of adagrad/adam/yogi (adagrad uses beta1 only)."""
     tau: float = Field(1e-3, gt=0.0, le=10.0)
+    """tau, the adaptivity of adagrad/adam/yogi: added to sqrt(v); v starts at tau^2."""
 
 
 class FaultsConfig(_Section):
     nan_clients: list[int] = Field(default_factory=list)
+    """These clients send NaN updates (robustness tests); each must be < data.num_clients."""
 
 
 class Config(_Section):
@@ -246,9 +292,9 @@ class Config(_Section):
     client: ClientConfig = Field(default_factory=ClientConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
-    # simulated time: the clients' devices, availability and the round deadline
-    # (mpifl/clients/system.py, mpifl/runtime/clock.py); off by default
     system: SystemParams = Field(default_factory=SystemParams)
+    """Simulated time: the clients' devices, availability and the round deadline
+    (mpifl/clients/system.py, mpifl/runtime/clock.py); off by default."""
 
     def rule_params(self) -> Params:
         """The selected rule's validated hyper-parameters (its ``Params``; defaults for a rule
@@ -606,8 +652,8 @@ def _check_lazy(cfg: Config, rule, meta: bool) -> None:
         raise ConfigError(f"data.lazy: a lazy population keeps its own clients (data.partition "
                           f"= \"natural\"), got '{d.partition}'")
     if meta:
-        raise ConfigError(f"data.lazy: FedMeta's meta step draws its meta set from every "
-                          f"client's samples; set data.lazy = false or server.meta = false")
+        raise ConfigError("data.lazy: FedMeta's meta step draws its meta set from every "
+                          "client's samples; set data.lazy = false or server.meta = false")
     if rule.needs.num_groups:
         raise ConfigError(f"data.lazy: {cfg.server.algorithm} needs sensitive groups, which a "
                           f"lazy population does not have")

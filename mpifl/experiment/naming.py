@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path, PurePath
+from collections.abc import Sequence
 from typing import Any
 
 from mpifl.core.errors import ConfigError
@@ -32,7 +33,7 @@ def run_id(params: dict[str, Any]) -> str:
     return rid if plain_name(rid) else "run"
 
 
-def default_out(name: str, overrides: list[str] = ()) -> Path:
+def default_out(name: str, overrides: Sequence[str] = ()) -> Path:
     """The default results path: ``runs/<run.name>.h5``, or ``runs/<run.name>_<id>.h5`` where
     ``<id>`` is :func:`run_id` of the ``--set`` overrides (``run.name`` itself left out), so the
     same job run with another algorithm or seed does not collide.

@@ -134,13 +134,15 @@ def make_plan(cfg: Config) -> Plan:
         personal=isinstance(rule, aggregators.PersonalModels), seed=run.seed, data=cfg.data, model=cfg.model,
         trainer=_trainer_plan(cfg, rule),
         optimizer=ServerOptimizerParams(server.optimizer, server.lr, server.momentum,
-                                        *server.betas, server.tau),
+                                        server.betas[0], server.betas[1], server.tau),
         device=server.device, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
         setup_timeout_s=run.setup_timeout_s, threads=run.threads,
         adapt=(AdaptPlan(run.adapt_epochs, client.batch_size, client.momentum,
                          client.weight_decay, client.memory_budget_mb)
                if run.adapt_epochs else None),
-        meta=(MetaPlan(cfg.fedmeta.meta_size, cfg.fedmeta.eta_meta, cfg.fedmeta.meta_sampling)
+        # [fedmeta] is a rule's table, a field that config.schema() adds
+        meta=(MetaPlan(cfg.fedmeta.meta_size, cfg.fedmeta.eta_meta,  # type: ignore[attr-defined]
+                       cfg.fedmeta.meta_sampling)  # type: ignore[attr-defined]
               if rule.needs.meta_step or server.meta else None),
         loggers=tuple(run.loggers), config=json.loads(text),
         system=cfg.system if cfg.system.enabled else None, epochs=client.epochs)

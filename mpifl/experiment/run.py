@@ -320,7 +320,7 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
                  f", resuming after round {start.ckpt.round}" if start.ckpt else "")
         log.info("ranks on hosts: %s", ", ".join(f"{r}:{h}" for r, h in enumerate(hosts)))
     if size == 1:
-        clients = LocalClients(trainer, parts.fed, device, adapter)
+        clients: LocalClients | RemoteClients = LocalClients(trainer, parts.fed, device, adapter)
         try:
             return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress,
                                  threads=threads)

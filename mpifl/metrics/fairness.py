@@ -27,6 +27,7 @@ take optional per-sample weights (0 for padding).
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor
 
@@ -39,7 +40,7 @@ NOTIONS = ("dp", "eo", "ap")
 
 # --------------------------------------------------------------------------- hard metrics
 
-def dp_violation(pred, groups) -> float:
+def dp_violation(pred: npt.ArrayLike, groups: npt.ArrayLike) -> float:
     """Demographic-parity violation ``max_a |P(ŷ=1|A=a) - P(ŷ=1)|``.
 
     Args:
@@ -48,30 +49,33 @@ def dp_violation(pred, groups) -> float:
     Raises:
         ValueError: shapes differ, n = 0, predictions not 0/1, negative group ids.
     """
-    p, _, g = _check(pred, None, groups)
+    p, g = _check(pred, groups)
     return _max_gap(p, g)
 
 
-def eo_violation(pred, labels, groups) -> float:
+def eo_violation(pred: npt.ArrayLike, labels: npt.ArrayLike, groups: npt.ArrayLike) -> float:
     """Equalized-odds violation ``max_{a,y} |P(ŷ=1|A=a,Y=y) - P(ŷ=1|Y=y)|``, y in {0, 1}.
 
     Args: as :func:`dp_violation`, plus labels (n,) 0/1.
     """
-    p, y, g = _check(pred, labels, groups)
+    p, g = _check(pred, groups)
+    y = _check_labels(labels, p)
     return max((_max_gap(p[y == v], g[y == v]) for v in (0, 1) if (y == v).any()),
                default=0.0)
 
 
-def ap_violation(pred, labels, groups) -> float:
+def ap_violation(pred: npt.ArrayLike, labels: npt.ArrayLike, groups: npt.ArrayLike) -> float:
     """Accuracy-parity violation ``max_a |err_a - err|`` (error rates ``P(ŷ != y)``).
 
     Args: as :func:`eo_violation`.
     """
-    p, y, g = _check(pred, labels, groups)
+    p, g = _check(pred, groups)
+    y = _check_labels(labels, p)
     return _max_gap((p != y).astype(np.float64), g)
 
 
-def group_violations(pred, labels, groups) -> dict[str, float]:
+def group_violations(pred: npt.ArrayLike, labels: npt.ArrayLike,
+                     groups: npt.ArrayLike) -> dict[str, float]:
     """``{"dp": ..., "eo": ..., "ap": ...}`` of one set of predictions (e.g. the union of the
     clients' test data, ALGORITHMS.md §10)."""
     return {"dp": dp_violation(pred, groups), "eo": eo_violation(pred, labels, groups),
@@ -82,7 +86,7 @@ def group_violations(pred, labels, groups) -> dict[str, float]:
 COUNT_FIELDS = ("samples", "predicted_positive", "errors")
 
 
-def violations_from_counts(counts) -> dict[str, float]:
+def violations_from_counts(counts: npt.ArrayLike) -> dict[str, float]:
     """DP, EO and AP violations from summed counts (same definitions as the functions above).
 
     Counting per client and summing lets workers evaluate their clients independently while the
@@ -108,7 +112,7 @@ def violations_from_counts(counts) -> dict[str, float]:
     return {"dp": float(dp), "eo": float(max(gaps)), "ap": float(ap)}
 
 
-def cf_violation(acc) -> float:
+def cf_violation(acc: npt.ArrayLike) -> float:
     """Client-fairness violation ``max_k |acc_k - mean_j acc_j|`` (ALGORITHMS.md §4).
 
     Args:
@@ -122,20 +126,21 @@ def cf_violation(acc) -> float:
     return float(np.abs(a - a.mean()).max())
 
 
-def _check(pred, labels, groups) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+def _check(pred: npt.ArrayLike, groups: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
     p = np.asarray(pred).reshape(-1)
     g = np.asarray(groups).reshape(-1)
     if p.size == 0 or p.shape != g.shape:
         raise ValueError(f"pred {p.shape} and groups {g.shape} must be the same non-empty shape")
     if g.dtype.kind not in "iu" or (g < 0).any():
         raise ValueError("groups must be integer ids >= 0")
-    p = _binary(p, "pred")
-    y = None
-    if labels is not None:
-        y = _binary(np.asarray(labels).reshape(-1), "labels")
-        if y.shape != p.shape:
-            raise ValueError(f"labels {y.shape} must match pred {p.shape}")
-    return p, y, g.astype(np.int64)
+    return _binary(p, "pred"), g.astype(np.int64)
+
+
+def _check_labels(labels: npt.ArrayLike, p: np.ndarray) -> np.ndarray:
+    y = _binary(np.asarray(labels).reshape(-1), "labels")
+    if y.shape != p.shape:
+        raise ValueError(f"labels {y.shape} must match pred {p.shape}")
+    return y
 
 
 def _binary(a: np.ndarray, what: str) -> np.ndarray:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from mpifl.core.errors import ConfigError
-from mpifl.models.zoo import MODEL_FACTORIES
+from mpifl.models.zoo import register_model
 
 __all__ = ["CharLSTM", "char_lstm"]
 
@@ -42,7 +42,7 @@ class CharLSTM(nn.Module):
         return self.out(h if self.sequence else h[:, -1])
 
 
-@MODEL_FACTORIES.register("char_lstm")
+@register_model("char_lstm")
 def char_lstm(input_shape: tuple[int, ...], num_classes: int, *, seed: int = 0,
               vocab_size: int, embedding_dim: int = 8, hidden_size: int = 256,
               num_layers: int = 2, sequence: bool = False) -> CharLSTM:

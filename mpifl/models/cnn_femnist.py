@@ -18,7 +18,7 @@ from collections import OrderedDict
 from torch import nn
 
 from mpifl.core.errors import ConfigError
-from mpifl.models.zoo import MODEL_FACTORIES
+from mpifl.models.zoo import register_model
 
 __all__ = ["cnn_femnist"]
 
@@ -33,7 +33,7 @@ def _grey_image(shape: tuple[int, ...]) -> tuple[OrderedDict, int, int]:
                       f"got {shape}")
 
 
-@MODEL_FACTORIES.register("cnn_femnist")
+@register_model("cnn_femnist")
 def cnn_femnist(input_shape: tuple[int, ...], num_classes: int, *, seed: int = 0,
                 hidden: int = 2048) -> nn.Sequential:
     """LEAF's FEMNIST CNN (Caldas et al., 2018).

@@ -28,7 +28,7 @@ import math
 from torch import Tensor, nn
 
 from mpifl.core.errors import ConfigError
-from mpifl.models.zoo import MODEL_FACTORIES
+from mpifl.models.zoo import register_model
 
 __all__ = ["BasicBlockGN", "ResNetGN", "resnet18_gn"]
 
@@ -95,7 +95,7 @@ class ResNetGN(nn.Module):
         return self.fc(self.pool(self.stages(self.stem(x))))
 
 
-@MODEL_FACTORIES.register("resnet18_gn")
+@register_model("resnet18_gn")
 def resnet18_gn(input_shape: tuple[int, ...], num_classes: int, *, seed: int = 0,
                 groups: int = 2, width: int = 64, stem: str = "imagenet",
                 blocks: tuple[int, ...] = (2, 2, 2, 2)) -> ResNetGN:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from mpifl.core.errors import ConfigError
-from mpifl.models.zoo import MODEL_FACTORIES
+from mpifl.models.zoo import register_model
 
 __all__ = ["TransformerLM", "positional_encoding", "transformer_lm"]
 
@@ -81,7 +81,7 @@ class TransformerLM(nn.Module):
         return h @ self.embed.weight.t() if self.out is None else self.out(h)
 
 
-@MODEL_FACTORIES.register("transformer_lm")
+@register_model("transformer_lm")
 def transformer_lm(input_shape: tuple[int, ...], num_classes: int, *, seed: int = 0,
                    vocab_size: int, embedding_size: int = 96, hidden_size: int = 96,
                    num_heads: int = 8, feedforward_size: int = 1536, num_layers: int = 3,

@@ -31,7 +31,7 @@ import math
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,11 +44,6 @@ from mpifl.core.errors import ConfigError
 from mpifl.core.layout import buffer_names
 from mpifl.core.registry import Registry, closest
 
-#: The built-in models (ALGORITHMS.md §9): those above, then the federated benchmarks' (their
-#: own modules: :mod:`mpifl.models.cnn_femnist`, ``char_lstm``, ``transformer_lm``,
-#: ``resnet_gn``).
-MODELS = ("logreg", "mlp", "cnn_mnist", "cnn_cifar", "cnn_femnist", "char_lstm",
-          "transformer_lm", "resnet18_gn")
 OUTPUTS = ("logits", "softmax")
 
 
@@ -61,6 +56,60 @@ def _check_factory(name: str, factory: object) -> None:
 #: Model factories by name: ``factory(input_shape, num_classes, *, seed, **params) -> nn.Module``
 #: (built-ins below; plugins add theirs with ``@MODEL_FACTORIES.register("name")``).
 MODEL_FACTORIES: Registry = Registry("model", _check_factory)
+
+#: ``register_model(size=)``'s default: the budget builds the factory on torch's meta device
+META = "meta"
+
+
+def register_model(name: str, *, size: Callable[..., int] | str = META):
+    """Decorator: register a model factory as ``model.name = "<name>"`` and say how the memory
+    budget (:mod:`mpifl.experiment.budget`) counts its parameters before anything is built.
+
+    Args:
+        size: :data:`META` (the default): the factory is built on torch's ``meta`` device,
+            which holds shapes only, so it must do nothing but build torch modules (no file
+            read, no other library's allocation); otherwise ``size(input_shape, num_classes,
+            **params) -> d`` computes its parameter count. A factory registered with
+            ``MODEL_FACTORIES.register`` alone is never run before the real build, and the
+            budget counts no model for it.
+
+    Raises:
+        ValueError: the name is taken by another factory, empty, or contains ':'.
+    """
+    if size != META and not callable(size):
+        raise TypeError(f"model {name!r}: size= must be {META!r} or a function, got {size!r}")
+
+    def deco(factory):
+        factory.size = size
+        return MODEL_FACTORIES.register(name)(factory)
+
+    return deco
+
+
+def parameter_count(name: str, input_shape: tuple[int, ...], num_classes: int, *, seed: int,
+                    params: dict[str, Any]) -> tuple[int, int] | None:
+    """(d, layers): the parameters and float buffers of model ``name`` for this input, and its
+    parameter tensors, as its registration says to count them (:func:`register_model`), without
+    allocating them; None for a factory registered without a ``size`` or one that fails here
+    (the real build names the problem)."""
+    try:
+        factory = MODEL_FACTORIES.get(name)
+    except (LookupError, TypeError, ValueError):
+        return None
+    how = getattr(factory, "size", None)
+    try:
+        if callable(how):
+            return int(how(input_shape, num_classes, **params)), 1
+        if how != META:
+            return None
+        with torch.device("meta"):
+            model = factory(input_shape, num_classes, seed=seed, **params)
+        named = list(model.named_parameters())
+        d = sum(p.numel() for _, p in named)
+        d += sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    except Exception:  # noqa: BLE001 -- the real build names the problem
+        return None
+    return int(d), max(1, len(named))
 
 
 # --------------------------------------------------------------------------- model zoo
@@ -81,7 +130,8 @@ def build_model(
     """Build a registered model (built-in or plugin) with deterministic initial weights.
 
     Args:
-        name: a name of :data:`MODEL_FACTORIES` (built-ins: :data:`MODELS`) or an import path
+        name: a name of :data:`MODEL_FACTORIES` (built-ins: :data:`mpifl.models.MODELS`) or an
+            import path
             ``"pkg.module:factory"``.
         input_shape: shape of one sample, without the batch dimension, e.g. ``(784,)``,
             ``(1, 28, 28)`` or ``(3, 32, 32)``. CNNs take ``(C, H, W)`` or ``(H, W)`` (one channel).
@@ -368,7 +418,7 @@ def batchnorm_coordinates(model: nn.Module, layout, mode: str) -> np.ndarray:
             raise ConfigError(f"model.batchnorm = {mode!r}: the model has no BatchNorm layers, "
                               f"so there is nothing to keep per client; remove the setting "
                               f"(or set model.batchnorm = \"global\")")
-        for prefix, module in norms:
+        for prefix, _ in norms:
             kinds = ("running_mean", "running_var") + (("weight", "bias") if mode == "local"
                                                        else ())
             names.update(f"{prefix}.{k}" if prefix else k for k in kinds)
@@ -384,14 +434,14 @@ def _check_shape(input_shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
-@MODEL_FACTORIES.register("logreg")
+@register_model("logreg")
 def _logreg(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     fc = nn.Linear(math.prod(shape), c)
     nn.init.zeros_(fc.bias)  # as in the reference logistic regressions (ALGORITHMS.md §8)
     return nn.Sequential(OrderedDict(flatten=nn.Flatten(), fc=fc))
 
 
-@MODEL_FACTORIES.register("mlp")
+@register_model("mlp")
 def _mlp(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: Sequence[int] = (200, 200)) -> nn.Sequential:
     if any(int(h) < 1 for h in hidden):
         raise ConfigError(f"mlp hidden sizes must be positive, got {hidden}")
@@ -415,7 +465,7 @@ def _image_input(shape: tuple[int, ...], model: str) -> tuple[OrderedDict, int, 
     raise ConfigError(f"{model} needs input_shape (C, H, W) or (H, W), got {shape}")
 
 
-@MODEL_FACTORIES.register("cnn_mnist")
+@register_model("cnn_mnist")
 def _cnn_mnist(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     layers, ch, h, w = _image_input(shape, "cnn_mnist")
     if h < 4 or w < 4:
@@ -430,7 +480,7 @@ def _cnn_mnist(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object 
     return nn.Sequential(layers)
 
 
-@MODEL_FACTORIES.register("cnn_cifar")
+@register_model("cnn_cifar")
 def _cnn_cifar(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = None) -> nn.Sequential:
     layers, ch, h, w = _image_input(shape, "cnn_cifar")
     # Two unpadded 5x5 convolutions, each followed by a 2x2 max-pool: 32 -> 28 -> 14 -> 10 -> 5.

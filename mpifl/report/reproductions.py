@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import statistics
-import tomllib
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mpifl.core.errors import ConfigError, OutputError
 from mpifl.store.results import Damaged, read_many
 from mpifl.store.sweep_index import INDEX, read_index
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 #: The metrics a row may name, their unit in the table, and how they come from a results file.
 METRICS = {
@@ -260,7 +266,7 @@ def suite_seconds(folder: Path, damaged: list[Damaged] | None = None) -> list[fl
     """Each complete run's summed round times (seconds: broadcast, training, gather,
     aggregation, evaluation, checkpoint) in the sweep folder ``folder``; the results files
     that cannot be read are added to ``damaged`` when given."""
-    out = []
+    out: list[float] = []
     if not (folder / INDEX).exists():
         return out
     paths = [folder / run["results"] for run in read_index(folder)["runs"].values()]
@@ -310,7 +316,7 @@ def _fmt(x: float) -> str:
 
 def render(rows: list[FigureRow], measured: list[Measured], *, command: str, machine: str,
            suites: dict[str, tuple[str, list[float]]], last: int,
-           damaged: list[Damaged] = ()) -> str:
+           damaged: Sequence[Damaged] = ()) -> str:
     """The Markdown document: a summary, the results files that cannot be read (``damaged``:
     left out of every figure; a row with only damaged runs has the verdict *damaged*), one
     table per section, each suite's departures from its paper and the time its runs took
@@ -318,7 +324,8 @@ def render(rows: list[FigureRow], measured: list[Measured], *, command: str, mac
     orders = order_verdicts(rows, measured)
     verdicts = []
     for r, m in zip(rows, measured):
-        v = verdict(r.value, r.sd, m.mean) if r.value is not None else orders.get(r.claim, "-")
+        v = (verdict(r.value, r.sd, m.mean) if r.value is not None
+             else orders.get(r.claim, "-") if r.claim is not None else "-")
         if r.value is None and r.claim is None:
             v = "-"
         if r.value is not None and not m.values and m.damaged:

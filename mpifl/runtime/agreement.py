@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Generic, Iterator, TypeVar, cast
 
 import numpy as np
 
@@ -69,11 +69,13 @@ def one_line(exc: BaseException) -> str:
     return f"{what} (unexpected; mpifl -v logs the traceback)"
 
 
-class Outcome:
+class Outcome(Generic[T]):
     """What one rank's attempt at a step gave: a value, or an error line and its status."""
 
     def __init__(self, fn: Callable[[], T]) -> None:
-        self.value, self.error, self.status = None, None, EXIT_BAD_INPUT
+        self.value: T | None = None
+        self.error: str | None = None
+        self.status = EXIT_BAD_INPUT
         self.exc: MpiflError | None = None  # raised as it is where its message is the agreed one
         try:
             self.value = fn()
@@ -92,7 +94,7 @@ class Outcome:
         """The value (raises :class:`MpiflError` with the error, if the attempt failed)."""
         if self.error is not None:
             raise self.exc if self.exc is not None else _error(self.error, self.status)
-        return self.value
+        return cast(T, self.value)  # fn's own value (None only where T allows it)
 
 
 class SetUp:
@@ -136,7 +138,7 @@ class SetUp:
             outcome.fail(exc)
         self.settle(name, outcome)
 
-    def settle(self, name: str, outcome: Outcome) -> T:
+    def settle(self, name: str, outcome: Outcome[T]) -> T:
         """Agree on an outcome computed already (the config, loaded before MPI_Init)."""
         mine = (outcome.error, outcome.status, self.stop.reason)
         records = [mine]
@@ -149,15 +151,15 @@ class SetUp:
             partial = self.size > 1 and len(failed) < self.size
             if not partial and r == self.rank and outcome.exc is not None:
                 raise outcome.exc  # its own class (ConfigError, OutputError) for mpifl.run
-            raise _error(f"rank {r}: {err}" if partial else err, status)
+            raise _error(f"rank {r}: {err}" if partial else str(err), status)
         if signal := next((sig for _, _, sig in records if sig), None):
             raise SetupStopped(signal, name)
-        return outcome.value
+        return cast(T, outcome.value)  # no rank failed: fn's own value
 
     def share(self, name: str, value: T | None) -> T:
         """Rank 0's ``value`` on every rank (a small object: a path, the config's JSON)."""
         if self.size == 1:
-            return value
+            return cast(T, value)  # rank 0's own
         self._arrive(name)
         return self.comm.bcast(value, root=0)
 

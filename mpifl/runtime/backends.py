@@ -197,8 +197,8 @@ def _joined(parts: list[Evaluated], complete: bool = True) -> Evaluated:
             return tuple(np.concatenate([getattr(p, name)[i] for p in parts]) for i in (0, 1))
         return np.concatenate([getattr(p, name) for p in parts])
 
-    return Evaluated(*(cat(name) for name in ("accuracy", "loss", "counts", "personal",
-                                              "adapted")), complete=complete)
+    return Evaluated(cat("accuracy"), cat("loss"), cat("counts"), cat("personal"), cat("adapted"),
+                     complete=complete)
 
 
 def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:
@@ -215,6 +215,7 @@ def split_stats(columns, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Cut gathered (m, S) statistics rows into the named columns ((m,) when the width is 1)."""
     out, at = {}, 0
     for name, width in columns.stats:
+        assert rows is not None  # gathered whenever there are statistics
         col = rows[:, at:at + width]
         out[name] = col[:, 0] if width == 1 else col
         at += width

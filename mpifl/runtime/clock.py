@@ -143,7 +143,7 @@ class Clock:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, np.ndarray]:
+    def state_dict(self) -> dict[str, np.ndarray | np.generic]:
         """The clock as arrays (a checkpoint's ``server_state`` holds them)."""
         rows = np.asarray(self.rounds, dtype=np.float64).reshape(-1, 4)
         return {"now": np.float64(self.now), "rounds": rows, **self.counters}

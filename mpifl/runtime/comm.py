@@ -74,7 +74,8 @@ def world(init_timeout_s: float = 0.0):
     try:
         from mpi4py import MPI
     finally:
-        watchdog.stdin.close()  # the watchdog reads end-of-file and leaves
+        if watchdog.stdin is not None:  # started with a pipe
+            watchdog.stdin.close()  # the watchdog reads end-of-file and leaves
         watchdog.wait()
         if mark is not None:
             mark.close()
@@ -130,18 +131,6 @@ def rank_counts(bounds: np.ndarray) -> np.ndarray:
     :func:`split_by_samples`: rank 0 holds none, rank r block r - 1 (the counts of a
     Gatherv or Scatterv over the whole communicator)."""
     return np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
-
-
-def bcast_text(comm, text: str | None) -> str:
-    """Setup: send a text (e.g. the config JSON) from rank 0 to every rank, as raw bytes."""
-    from mpi4py import MPI
-
-    root = comm.Get_rank() == 0
-    n = np.array([len(text.encode()) if root else 0], dtype=np.int64)
-    comm.Bcast([n, MPI.INT64_T], root=0)
-    buf = np.frombuffer(text.encode(), np.uint8).copy() if root else np.empty(int(n[0]), np.uint8)
-    comm.Bcast([buf, MPI.BYTE], root=0)
-    return buf.tobytes().decode()
 
 
 def _malloc_trim():

@@ -102,7 +102,7 @@ def apply_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
-def nondeterministic_line(exc: BaseException) -> str | None:
+def nondeterministic_line(exc: BaseException | None) -> str | None:
     """One line for a failure that deterministic mode caused, else None.
 
     It looks through ``exc``'s causes too (a plugin model's failure,

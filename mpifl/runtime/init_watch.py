@@ -13,7 +13,8 @@ the waiting ranks cannot ask each other who is missing. Two small things answer 
   node's report (one more abstract name: the first watchdog to fire prints, the others stay
   quiet), tests the marks and prints one line: the ranks that did not arrive when every rank
   runs on this node; else those that arrived here. Then it ends its rank with SIGKILL and the
-  launcher ends the rest.
+  launcher ends the rest; it holds the claim until the node's other ranks are gone, so a
+  watchdog that fires later stays quiet too.
 
 Without a known agent (a wrapper script between the launcher and Python, another OS) the line
 says only that this rank waited.
@@ -27,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mpifl.runtime.installs import rank_ranges
@@ -152,6 +154,20 @@ def _watch(pid: int, timeout_s: float, rank: int, size: int, agent: int | None) 
         sys.stderr.write(f"mpifl: error: {line}\n")
         sys.stderr.flush()
     os.kill(pid, signal.SIGKILL)
+    if report is not None and agent is not None:  # a report implies an agent
+        _hold(report, agent, size)
+
+
+def _hold(report: socket.socket, agent: int, size: int, grace_s: float = 2.0,
+          bound_s: float = 30.0) -> None:
+    """Keep the node's report claimed until the node's other ranks are gone (and ``grace_s``
+    more, for a watchdog that fired as its rank died), at most ``bound_s``: a claim that ended
+    with this process would let a later-firing watchdog print the line a second time."""
+    deadline = time.monotonic() + bound_s
+    while arrived(agent, size) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(grace_s)
+    report.close()
 
 
 if __name__ == "__main__":

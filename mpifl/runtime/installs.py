@@ -55,7 +55,8 @@ def mismatch(installs: list[tuple[str, str, str, str]]) -> str | None:
              for install, ranks in groups.items()]
     return (f"ranks run different mpifl installs: {'; '.join(parts)}; start every rank with "
             f"the same interpreter and environment, e.g. mpiexec -n {len(installs)} "
-            '"$(command -v python)" -m mpifl ... (README "Which mpifl each rank runs")')
+            '"$(command -v python)" -m mpifl ... (docs/guides/running.md "Which mpifl each '
+            'rank runs")')
 
 
 def venv_warning(install: tuple[str, str, str, str], environ=os.environ) -> str | None:

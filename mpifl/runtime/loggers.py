@@ -104,6 +104,7 @@ class CsvLogger:
 
     def _text(self, rows: list[dict[str, Any]], header: bool) -> str:
         buf = io.StringIO(newline="")
+        assert self.fields is not None  # set by the first round, before any text
         writer = csv.DictWriter(buf, fieldnames=self.fields, restval="", extrasaction="ignore")
         if header:
             writer.writeheader()
@@ -112,14 +113,15 @@ class CsvLogger:
 
     def log_round(self, rnd: int, row: dict[str, Any], summary: dict[str, float] | None) -> None:
         values = {"round": rnd, **scalars(row, summary)}
-        header = self.fields is None
-        if header:
-            self.fields = list(values)
-        missing = [k for k in values if k not in self.fields]
+        fields = self.fields
+        header = fields is None
+        if fields is None:
+            fields = self.fields = list(values)
+        missing = [k for k in values if k not in fields]
         if missing:  # the first round had no evaluation: its summary columns come now
             with open(self.path, newline="") as f:
                 rows = list(csv.DictReader(f))
-            self.fields += missing
+            fields += missing  # in place: the same list as self.fields
             self._rewrite(rows)
         self._append(self._text([values], header))
 
@@ -205,9 +207,10 @@ class WandbLogger:
 
         folder = self.path = Path(out).with_suffix(self.suffix)
         folder.mkdir(parents=True, exist_ok=True)
+        mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb's own variable; it checks it
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mpifl"),
                               name=config.get("run", {}).get("name"), config=config,
-                              dir=str(folder), mode=os.environ.get("WANDB_MODE", "offline"),
+                              dir=str(folder), mode=mode,
                               resume="allow" if start else None, reinit=True)
 
     def log_round(self, rnd: int, row: dict[str, Any], summary: dict[str, float] | None) -> None:
@@ -253,7 +256,7 @@ class LoggerSet:
     def _guard(self, name: str, call, closing: bool = False) -> None:
         try:
             call()
-        except Exception as exc:  # a logger must never end a run
+        except Exception as exc:  # noqa: BLE001 -- a logger must never end a run
             logger = self.active.pop(name, None)
             log.warning("logger %r %s; it is switched off%s", name,
                         _failure(exc, logger, LOGGERS.get(name), self.out),

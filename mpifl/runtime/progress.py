@@ -166,6 +166,7 @@ class ProgressLog:
         """``round 2/2, evaluation: 310,000/1,000,000 clients (31%), 52 s in, phase ETA
         0:01:54, run ETA 0:02:10`` (the parts not known yet left out)."""
         ph = self.phase
+        assert ph is not None  # a line is made only while a phase runs
         text = f"round {ph.round}/{self.total}, {ph.name}"
         if ph.total:
             text += f": {ph.done:,}/{ph.total:,} {ph.unit} ({100 * ph.done / ph.total:.0f}%)"
@@ -223,14 +224,17 @@ class ProgressLog:
         if count:
             return seconds / count
         ph = self.phase
-        running = (now is not None and ph is not None and ph.name == "evaluation"
-                   and ph.done > 0)
-        if running and ph.full == full:
-            return (now - ph.t0) * ph.total / ph.done
+        # the evaluation running now, once a client of it is done
+        running = (ph if now is not None and ph is not None and ph.name == "evaluation"
+                   and ph.done > 0 else None)
+        if running is not None and now is not None and running.full == full:
+            return (now - running.t0) * running.total / running.done
         clients = self.num_clients if full else getattr(self.plan, "eval_clients", 0)
         if self.eval_clients:
             return clients * (self.evals[True][0] + self.evals[False][0]) / self.eval_clients
-        return clients * (now - ph.t0) / ph.done if running else None
+        if running is None or now is None:
+            return None
+        return clients * (now - running.t0) / running.done
 
     def phase_eta(self, now: float) -> float | None:
         """Seconds left in the current phase: by its count when it has one, else by the mean

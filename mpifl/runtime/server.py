@@ -404,8 +404,8 @@ class Server:
             selected = select_clients(plan.seed, rnd, self.fed.num_train,
                                       plan.clients_per_round, plan.sampling)
             return selected, selected
-        self._time = self.clock.round(rnd, plan.clients_per_round, plan.sampling)
-        return self._time.selected, self._time.kept
+        self._time = on_clock = self.clock.round(rnd, plan.clients_per_round, plan.sampling)
+        return on_clock.selected, on_clock.kept
 
     def _server_step(self, step: torch.Tensor) -> torch.Tensor:
         """The step the model moves by: the rule's, through the server optimizer if any (the
@@ -470,8 +470,8 @@ class Server:
                                     None if self.local is None else rows(self.local.rows),
                                     ids=ids, window=self.plan.eval_window_samples,
                                     on_progress=self._on_progress)
-        if rep.stopped:  # where it stopped, for the log
-            self._stopped_at = (self.lines.phase.done, self.lines.phase.total)
+        if rep.stopped and (ph := self.lines.phase) is not None:  # where it stopped, for the log
+            self._stopped_at = (ph.done, ph.total)
         self.lines.end(complete=not rep.stopped)
         tested = self.fed.num_test if ids is None else self.fed.num_test[ids]
         acc, loss = rep.accuracy, rep.loss

@@ -1,4 +1,4 @@
-"""The sharded server's part of a round (``server.shards = P > 1``; issue 14, docs/ARCHITECTURE.md
+"""The sharded server's part of a round (``server.shards = P > 1``; docs/ARCHITECTURE.md
 "Sharded server").
 
 Ranks 0 .. P-1 are the shards (rank 0 is also the coordinator; ranks 1 .. P-1 also train
@@ -69,7 +69,7 @@ class ShardServer:
                  max_update_norm: float | None, columns) -> None:
         self.group, self.aggregator, self.columns = group, aggregator, columns
         self.layers = layers
-        self.local = local_layers(layers, group.lo, group.hi)
+        self.local = local_layers(layers, group.lo, group.hi) or []  # never None: layers is given
         self.num_train, self.max_update_norm = num_train, max_update_norm
         #: inside the shards' collectives: a failure now must abort the job (a STOP on the
         #: world communicator would not reach shards waiting in them)

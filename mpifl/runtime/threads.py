@@ -13,7 +13,8 @@ once, at set-up:
   share them, at least 1.
 
 Floating-point sums split over threads round differently, so a run is bit-identical only on
-the same thread count (README "Reproducibility"); the count is stored in the results file.
+the same thread count (docs/explanation/concepts.md, "Reproducibility"); the count is stored in
+the results file.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def threads_line(chosen: list[tuple[int, str]]) -> str:
     """Rank 0's log line from every rank's ``(threads, why)``, rank r at index r."""
     groups: dict[tuple[int, str], list[int]] = {}
     for rank, choice in enumerate(chosen):
-        groups.setdefault(tuple(choice), []).append(rank)
+        groups.setdefault((choice[0], choice[1]), []).append(rank)
     if len(groups) == 1:
         (count, why), = groups
         return f"threads: {count} {'a rank ' if len(chosen) > 1 else ''}({why})"
@@ -180,6 +181,7 @@ def node_ranks(comm) -> tuple[int, int]:
 
 def _affinity_mask() -> int:
     """This process's CPUs as a bit mask (every CPU when the OS does not say)."""
+    cpus: set[int] | range
     try:
         cpus = os.sched_getaffinity(0)
     except (AttributeError, OSError):

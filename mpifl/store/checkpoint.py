@@ -114,7 +114,7 @@ def save(folder: Path, ckpt: Checkpoint) -> Path:
         listed = _listed(folder)
         for old in listed[KEEP:]:
             _remove(old)
-        kept = {int(_NAME.match(p.name).group(1)) for p in listed[:KEEP]}
+        kept = {int(m.group(1)) for p in listed[:KEEP] if (m := _NAME.match(p.name))}
         for path in folder.iterdir():  # shard files of dropped checkpoints, or of refused ones
             if (m := _SHARD_NAME.match(path.name)) and int(m.group(1)) not in kept:
                 _remove(path)
@@ -205,7 +205,7 @@ def _open_shard(path: Path, rounds_done: int, index: int, digest: str | None,
             return attrs, own
     except OutputError:
         raise
-    except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
+    except Exception as exc:  # noqa: BLE001 -- damaged HDF5 raises many types
         first = (str(exc).splitlines() or [""])[0]
         raise OutputError(f"{path}: unreadable checkpoint shard ({type(exc).__name__}: "
                           f"{first})") from None
@@ -227,7 +227,9 @@ def state_block(ckpt: Checkpoint, keys: tuple[str, ...] | list[str], lo: int,
     """
     if ckpt.shard_bounds is None:
         return {k: _columns(np.asarray(ckpt.aggregator[k]), 0, lo, hi) for k in keys}
-    bounds, parts = ckpt.shard_bounds, {k: [] for k in keys}
+    bounds = ckpt.shard_bounds
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    assert ckpt.shard_digests is not None  # written with the bounds
     for j in range(ckpt.shards):
         a, b = max(lo, int(bounds[j])), min(hi, int(bounds[j + 1]))
         if a >= b and not (lo == hi and j == 0):
@@ -300,7 +302,7 @@ def read(path: Path, verify_shards: bool = True) -> Checkpoint:
             missing or damaged shard file.
     """
     ckpt = _read(path)
-    if verify_shards and ckpt.shard_bounds is not None:
+    if verify_shards and ckpt.shard_bounds is not None and ckpt.shard_digests is not None:
         for j, digest in enumerate(ckpt.shard_digests):
             _open_shard(shard_path(path.parent, ckpt.round, j), ckpt.round, j, digest,
                         full=False)
@@ -329,7 +331,7 @@ def _read(path: Path) -> Checkpoint:
                 server_state=_read_state(f["server_state"]) if "server_state" in f else {})
     except OutputError:
         raise
-    except Exception as exc:  # damaged HDF5 metadata shows up as many exception types
+    except Exception as exc:  # noqa: BLE001 -- damaged HDF5 raises many types
         first = (str(exc).splitlines() or [""])[0]
         raise OutputError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {first})") from None
 
@@ -403,24 +405,24 @@ def _digest(f: h5py.File) -> str:
     """SHA-256 over every dataset (name, dtype, shape, bytes) and attribute, but ``digest``."""
     h = hashlib.sha256()
 
-    def attrs(name: str, obj) -> None:
+    def attrs(name: str, obj: Any) -> None:
         for key in sorted(obj.attrs):
             if key != "digest":
                 h.update(f"{name}@{key}={obj.attrs[key]!r}".encode())
 
-    def visit(name: str, obj) -> None:
+    def visit(name: str, obj: Any) -> None:
         attrs(name, obj)
         if not isinstance(obj, h5py.Dataset):
             return
         if obj.ndim == 0 or obj.dtype.kind == "O" or obj.nbytes <= DIGEST_SLAB_BYTES:
             data = np.ascontiguousarray(obj[()])
             h.update(f"{name}:{data.dtype.str}:{data.shape}".encode())
-            h.update(data)  # the contiguous buffer itself: no tobytes() copy
+            h.update(data.data)  # the contiguous buffer itself: no tobytes() copy
             return
         h.update(f"{name}:{obj.dtype.str}:{obj.shape}".encode())  # as the array's own
         rows = max(1, DIGEST_SLAB_BYTES // (obj.nbytes // obj.shape[0] or 1))
         for lo in range(0, obj.shape[0], rows):  # the same C-order bytes, a slab at a time
-            h.update(np.ascontiguousarray(obj[lo:lo + rows]))
+            h.update(np.ascontiguousarray(obj[lo:lo + rows]).data)
 
     attrs("/", f)
     f.visititems(visit)

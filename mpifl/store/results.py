@@ -1,6 +1,6 @@
 """HDF5 results files: one per run, written by rank 0 only.
 
-Layout (also in the README)::
+Layout (also in docs/RESULTS.md)::
 
     /                        attrs: schema_version, mpifl_version, config (JSON), world_size,
                                     status ("running" | "complete"), algorithm, num_clients
@@ -66,7 +66,7 @@ import json
 import os
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -200,7 +200,7 @@ def _encode(block: np.ndarray, chunks: tuple[int, ...], shuffle: bool) -> bytes:
         full = np.zeros(chunks, dtype=block.dtype)
         full[tuple(slice(0, n) for n in block.shape)] = block
         block = full
-    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    raw: np.ndarray = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
     size = block.dtype.itemsize
     if shuffle and size > 1:
         raw = raw.reshape(-1, size).T
@@ -219,7 +219,7 @@ class ChunkCache:
     def __init__(self) -> None:
         self._entries: dict[Any, tuple[np.ndarray, list[bytes]]] = {}
 
-    def get(self, key: Any, source: np.ndarray, make) -> list[bytes]:
+    def get(self, key: Any, source: np.ndarray, make: Callable[[], list[bytes]]) -> list[bytes]:
         hit = self._entries.get(key)
         if hit is not None and hit[0] is source:
             return hit[1]
@@ -242,7 +242,7 @@ class LocalState(NamedTuple):
     entries: list[tuple[str, int, int, int]]
 
     @classmethod
-    def of(cls, rows, index: np.ndarray, layout) -> "LocalState":
+    def of(cls, rows: Any, index: np.ndarray, layout: Any) -> "LocalState":
         """From the (K, s) rows, their (s,) ascending positions in w and the model's
         :class:`~mpifl.core.layout.ParamLayout` (``names``, ``offsets``, ``numels``).
 
@@ -262,16 +262,16 @@ class LocalState(NamedTuple):
         return cls(np.asarray(rows, dtype=np.float32), entries)
 
     @staticmethod
-    def column_names(entries) -> list[str]:
+    def column_names(entries: list[tuple[str, int, int, int]]) -> list[str]:
         """One label per column: ``"bn1.running_mean[0]"``, ``"bn1.running_mean[1]"``, ..."""
         return [f"{name}[{i}]" for name, a, b, _ in entries for i in range(b - a)]
 
 
-def _chunk_offsets(shape: tuple[int, ...], chunks: tuple[int, ...]):
+def _chunk_offsets(shape: tuple[int, ...], chunks: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     return itertools.product(*(range(0, n, c) for n, c in zip(shape, chunks)))
 
 
-def create_dataset(g: h5py.Group, name: str, data, *, cache: ChunkCache | None = None,
+def create_dataset(g: h5py.Group, name: str, data: np.ndarray, *, cache: ChunkCache | None = None,
                    rows: list[np.ndarray] | None = None) -> h5py.Dataset:
     """``g[name] = data``, chunked and deflate-compressed when it holds at least
     :data:`COMPRESS_MIN_BYTES` (shape, dtype and values as given; see the module docstring).
@@ -297,20 +297,24 @@ def create_dataset(g: h5py.Group, name: str, data, *, cache: ChunkCache | None =
                          compression="gzip", compression_opts=GZIP_LEVEL, shuffle=shuffle)
     by_row = rows is not None and data.ndim == 2 and chunks[0] == 1
 
-    def encode(array: np.ndarray, offsets) -> list[bytes]:
+    def encode(array: np.ndarray, offsets: Iterable[tuple[int, ...]]) -> list[bytes]:
         return [_encode(array[tuple(slice(o, o + c) for o, c in zip(off, chunks))], chunks,
                         shuffle) for off in offsets]
 
-    if by_row:
+    if by_row and rows is not None:
         cols = list(range(0, data.shape[1], chunks[1]))
         for i, row in enumerate(rows):
-            make = lambda i=i: encode(data[i:i + 1], [(0, c) for c in cols])  # noqa: E731
-            blobs = cache.get((name, i), row, make) if cache is not None else make()
+            def make_row(i: int = i) -> list[bytes]:
+                return encode(data[i:i + 1], [(0, c) for c in cols])
+            blobs = cache.get((name, i), row, make_row) if cache is not None else make_row()
             for c, blob in zip(cols, blobs):
                 d.id.write_direct_chunk((i, c), blob)
         return d
     offsets = list(_chunk_offsets(data.shape, chunks))
-    make = lambda: encode(data, offsets)  # noqa: E731
+
+    def make() -> list[bytes]:
+        return encode(data, offsets)
+
     # a stack of rows is a new array at every write: caching it would only hold memory
     blobs = cache.get(name, data, make) if cache is not None and rows is None else make()
     for off, blob in zip(offsets, blobs):
@@ -318,7 +322,7 @@ def create_dataset(g: h5py.Group, name: str, data, *, cache: ChunkCache | None =
     return d
 
 
-def _padded(rows: list, dtype: str, fill) -> np.ndarray:
+def _padded(rows: list[Any], dtype: str, fill: Any) -> np.ndarray:
     """(R, m) from R rows of (m,) values, None rows (not recorded) filled with ``fill``."""
     width = max((len(r) for r in rows if r is not None), default=0)
     out = np.full((len(rows), width), fill, dtype=dtype)
@@ -369,7 +373,7 @@ class MetricHistory:
                              + (PERSONAL_KEYS if personal_metrics else ())
                              + (ADAPTED_KEYS if adapted_metrics else ())
                              + (LOSS_KEYS if loss_metrics else ()))
-        self.rounds: dict[str, list] = {
+        self.rounds: dict[str, list[Any]] = {
             name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS, **SELECTION_COLUMNS}}
         self.eval_round: list[int] = []
         self.accuracy: list[np.ndarray] = []
@@ -398,9 +402,11 @@ class MetricHistory:
         self.accuracy.append(np.asarray(accuracy, dtype=np.float64))
         self.loss.append(np.asarray(loss, dtype=np.float64))
         if self.personal_metrics:
+            assert personal is not None  # a history with personal metrics is given them
             self.personal_accuracy.append(np.asarray(personal[0], dtype=np.float64))
             self.personal_loss.append(np.asarray(personal[1], dtype=np.float64))
         if self.adapted_metrics:
+            assert adapted is not None  # likewise after adaptation
             self.adapted_accuracy.append(np.asarray(adapted[0], dtype=np.float64))
             self.adapted_loss.append(np.asarray(adapted[1], dtype=np.float64))
         for name in self.summary_keys:
@@ -413,8 +419,8 @@ class MetricHistory:
         for name, (dtype, _) in ROUND_COLUMNS.items():
             create_dataset(g, f"rounds/{name}", np.asarray(self.rounds[name], dtype=dtype))
         for name, (dtype, _) in LAYER_COLUMNS.items():
-            rows = np.asarray(self.rounds[name], dtype=dtype).reshape(-1, self.num_layers)
-            create_dataset(g, f"rounds/{name}", rows)
+            layer_rows = np.asarray(self.rounds[name], dtype=dtype).reshape(-1, self.num_layers)
+            create_dataset(g, f"rounds/{name}", layer_rows)
         for name, (dtype, _, fill) in SELECTION_COLUMNS.items():
             create_dataset(g, f"rounds/{name}", _padded(self.rounds[name], dtype, fill))
         create_dataset(g, "eval/round", np.asarray(self.eval_round, dtype="i8"))
@@ -719,7 +725,7 @@ class LazyArray:
         self.ndim = len(self.shape)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key: Any) -> np.ndarray:
         """h5py's indexing (ints, slices, one increasing list) of the dataset, as numpy.
 
         Raises:
@@ -731,7 +737,8 @@ class LazyArray:
             raise OutputError(f"{self.path}: closed (the loaded results were closed; load "
                               "them again)")
         try:
-            return f[self.name][key]
+            out: np.ndarray = f[self.name][key]
+            return out
         except (TypeError, IndexError, ValueError):
             raise
         except Exception as exc:  # noqa: BLE001 -- HDF5's errors on a damaged chunk
@@ -739,12 +746,12 @@ class LazyArray:
             raise OutputError(f"{self.path}: cannot read /{self.name} ({type(exc).__name__}: "
                               f"{first})") from None
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         out = self[()]
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def __len__(self) -> int:
-        return self.shape[0]
+        return int(self.shape[0])
 
     def __repr__(self) -> str:
         return f"LazyArray({self.path}:/{self.name}, shape={self.shape}, dtype={self.dtype})"
@@ -753,7 +760,7 @@ class LazyArray:
 class _OpenFile:
     """The open file object and HDF5 file behind a run's :class:`LazyArray` s."""
 
-    def __init__(self, fileobj, f: h5py.File) -> None:
+    def __init__(self, fileobj: Any, f: h5py.File) -> None:
         self.fileobj, self.file = fileobj, f
 
     def close(self) -> None:
@@ -819,7 +826,7 @@ def read_results(path: str | Path, lazy: bool = False) -> dict[str, Any]:
                 f"(this mpifl reads {', '.join(map(str, READABLE_VERSIONS))})"
             )
 
-        def get(group: str, name: str):
+        def get(group: str, name: str) -> Any:
             d = f[f"{group}/{name}"]
             if lazy and _lazy(group, d):
                 lazies[f"{group}/{name}"] = LazyArray(path, f"{group}/{name}", d, handle)
@@ -940,7 +947,8 @@ def damage_reason(path: str | Path, exc: OutputError) -> str:
     return text
 
 
-def read_many(paths, lazy: bool = False) -> tuple[list[dict[str, Any]], list[Damaged]]:
+def read_many(paths: Iterable[str | Path],
+              lazy: bool = False) -> tuple[list[dict[str, Any]], list[Damaged]]:
     """Read every results file of ``paths`` with :func:`read_results` (``lazy`` passed on).
 
     Returns:

@@ -29,7 +29,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, TypeVar, cast
 
 import h5py
 
@@ -39,6 +39,7 @@ USERBLOCK = 512
 MAGIC = b"MPIFL-SHA256 "
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _SEAL = re.compile(rb"^MPIFL-SHA256 ([0-9a-f]{64}) (\d+)\n\x00*$")
+_R = TypeVar("_R")
 
 
 def temporary_for(path: Path) -> Path:
@@ -94,7 +95,7 @@ class _Shielded:
         if self.error is None:
             self.error = exc
 
-    def _guarded(self, call, *args):
+    def _guarded(self, call: Callable[..., _R], *args: Any) -> _R:
         """``call(*args)``, retried after an exception (kept in :attr:`error`): each call is
         idempotent, and once failed it no longer touches the disk."""
         for _ in range(100):
@@ -102,7 +103,8 @@ class _Shielded:
                 return call(*args)
             except BaseException as exc:  # noqa: BLE001 -- nothing may reach HDF5
                 self._fail(exc)
-        raise self.error  # pragma: no cover -- a call that fails every time is a bug
+        # pragma: no cover -- a call that fails every time is a bug
+        raise cast(BaseException, self.error)  # pragma: no cover
 
     # -- the methods h5py's fileobj driver calls ----------------------------------------------
 
@@ -117,7 +119,7 @@ class _Shielded:
     def tell(self) -> int:
         return self._guarded(lambda: self.pos)
 
-    def write(self, buf) -> int:
+    def write(self, buf: Any) -> int:
         return self._guarded(self._write, memoryview(buf).cast("B"), self.pos)
 
     def _write(self, view: memoryview, pos: int) -> int:
@@ -138,7 +140,7 @@ class _Shielded:
         self.size = max(self.size, self.pos)
         return n
 
-    def readinto(self, buf) -> int:
+    def readinto(self, buf: Any) -> int:
         return self._guarded(self._readinto, memoryview(buf).cast("B"), self.pos)
 
     def _readinto(self, view: memoryview, pos: int) -> int:

@@ -12,11 +12,16 @@ leave out and name in one note line.
 from __future__ import annotations
 
 import json
-import tomllib
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mpifl.core.errors import OutputError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 INDEX = "index.json"
 #: The sweep file ``mpifl run --seeds`` writes into its folder (:mod:`mpifl.sweep.seeds`).
@@ -44,7 +49,7 @@ def read_index(folder: Path) -> dict[str, Any]:
         raise OutputError(f"{path}: not a sweep index (expected an object with \"runs\": "
                           "{id: {\"results\": ..., \"params\": ...}}); move it away or use "
                           "another --out folder")
-    return data
+    return cast(dict[str, Any], data)
 
 
 def listed_runs(folder: Path) -> tuple[dict[str, dict[str, Any]], str | None]:

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 import subprocess
 import sys
 
 
-def srun_shape(nodes_now: int | None, env: dict[str, str] | None = None) -> list[str]:
+def srun_shape(nodes_now: int | None, env: Mapping[str, str] | None = None) -> list[str]:
     """srun options that fit the job's ranks onto the nodes it still has.
 
     A job submitted with ``--no-kill`` keeps running when one of its nodes is lost: SLURM
     drops the node from the allocation, and an srun that asks for the original node count is
     refused. The next launch then keeps the ranks per node and uses every node left, so the
     run resumes from its checkpoint on fewer ranks (results to the precision of a change of
-    world size, README "Resuming").
+    world size, docs/guides/resume.md).
 
     Args:
         nodes_now: the allocation's node count now (``NumNodes`` of ``scontrol show job``), or

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpifl.core.errors import ConfigError, OutputError
+from mpifl.core.errors import ConfigError
 from mpifl.experiment.config import parse_override, read_toml
 from mpifl.store.sweep_index import INDEX, read_index  # noqa: F401  (re-exported)
 from mpifl.experiment.naming import plain_name, run_id  # noqa: F401  (re-exported)
@@ -48,9 +48,9 @@ def grid_points(sweep: Sweep) -> list[Point]:
     Raises:
         ConfigError: two points would get the same run id.
     """
-    algos = sweep.algorithms or {None: {}}
+    algos: list[tuple[str | None, dict[str, list]]] = [*sweep.algorithms.items()] or [(None, {})]
     points = []
-    for algo, axes in algos.items():
+    for algo, axes in algos:
         head = {"server.algorithm": algo} if algo is not None else {}
         for values in _product({**axes, **sweep.grid}):
             params = {**head, **values}

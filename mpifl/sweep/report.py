@@ -260,7 +260,7 @@ def report_sweep(folder: str | Path, as_json: bool = False, last: int = 1) -> in
             print(note, file=sys.stderr)
     else:
         print(table)
-        print(f"\nwritten: " + ", ".join(str(p) for p in [folder / "report.md",
+        print("\nwritten: " + ", ".join(str(p) for p in [folder / "report.md",
                                                             folder / "report.csv", *pngs]))
     if damaged:
         raise DamagedResults(damaged)

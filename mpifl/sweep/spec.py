@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import Any
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,

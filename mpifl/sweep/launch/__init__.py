@@ -8,6 +8,7 @@ others from their newest checkpoint.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from mpifl.core.errors import ConfigError
@@ -61,7 +62,7 @@ def survey(sweep: Sweep, folder: Path, points: list[Point]) -> dict[str, RunStat
 
 
 def run_sweep(sweep: Sweep, folder: Path, *, executor: str = "local", wait: bool = False,
-              only: list[str] = (), timeout_s: float | None = None) -> dict[str, RunState]:
+              only: Sequence[str] = (), timeout_s: float | None = None) -> dict[str, RunState]:
     """Start (or resume) every unfinished run of ``sweep``; write ``folder/index.json``.
 
     Complete runs are skipped, runs whose job is still queued or running are left alone, the

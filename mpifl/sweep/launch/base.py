@@ -42,11 +42,6 @@ class Launcher(ABC):
         run here at all; among those that can, ``--executor auto`` takes the highest."""
 
     @classmethod
-    def affinity(cls) -> int:
-        """The number of :meth:`fit`."""
-        return cls.fit()[0]
-
-    @classmethod
     def require(cls) -> None:
         """Check that this launcher can run here, for an explicit ``--executor NAME``.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 from mpifl.sweep.job import MpiRun
 from mpifl.sweep.launch.base import Launcher
@@ -37,7 +38,8 @@ class LocalLauncher(Launcher):
 
         ex = submitit.LocalExecutor(folder=self.folder / "logs")
         ex.update_parameters(timeout_min=self.sweep.local.time_min)
-        todo, active = list(zip(runs, jobs)), []
+        todo = list(zip(runs, jobs))
+        active: list[tuple[RunState, Any]] = []
         while todo or active:
             while todo and len(active) < self.sweep.local.parallelism:
                 r, fn = todo.pop(0)
@@ -48,5 +50,6 @@ class LocalLauncher(Launcher):
             time.sleep(0.5)
             for r, job in [a for a in active if a[1].done()]:
                 active.remove((r, job))
+                assert r.log is not None  # set at submission
                 r.error = log_error(self.folder, r.log) if job.exception() else None
                 log.info("%s: %s", r.id, f"failed: {r.error}" if r.error else "over")

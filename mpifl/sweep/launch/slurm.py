@@ -159,7 +159,8 @@ def controller(timeout_s: float = PING_TIMEOUT_S) -> tuple[bool, str]:
         return False, f"scontrol ping: {exc}"
     # "Slurmctld(primary) at HOST is UP", one line per controller (primary, backups)
     said = [line.strip() for line in proc.stdout.splitlines() if _VERDICT.search(line)]
-    up = proc.returncode == 0 or any(_VERDICT.search(line)[2] == "UP" for line in said)
+    up = proc.returncode == 0 or any((v := _VERDICT.search(line)) is not None and v[2] == "UP"
+                                          for line in said)
     if not said:  # no verdict: scontrol's own last error ("fatal: Could not establish ...")
         errors = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
         said = [errors[-1].removeprefix("scontrol: ")] if errors else [
