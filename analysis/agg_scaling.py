@@ -19,7 +19,7 @@ printed on stdout gives the exponents b for m and for d (``-`` with fewer than t
 time ~ m^b_m * d^b_d near the sizes measured. Exit status 2 with one line on stderr for a
 missing or unreadable file.
 
-**The number of shards P** (issue 14): ``--sharded`` takes the files of the sharded benchmark,
+**The number of shards P**: ``--sharded`` takes the files of the sharded benchmark,
 one per P (``mpiexec -n P python -m mpifl bench aggregation --shards P --out ...``), and adds
 
 * a table per algorithm and case: P, the time split (local statistics, allsum, apply, gather),

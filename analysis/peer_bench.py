@@ -32,7 +32,7 @@ Three modes:
 
 - *interleaved* (the default): both in one process, round by round: pfl's training loop calls
   back after each of its rounds, and the callback runs one mpifl round (timed on its own); a
-  pfl round is the time between two callbacks minus the mpifl round inside. Issue 24 reported
+  pfl round is the time between two callbacks minus the mpifl round inside. A review reported
   pfl's round slower in one process than alone, which would flatter mpifl (not seen in the runs
   of docs/BENCHMARKS.md); ``--separate`` avoids the question.
 - ``--only mpifl`` / ``--only pfl``: one simulator alone in this process; prints its rounds,

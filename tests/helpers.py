@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -9,6 +10,10 @@ from pathlib import Path
 import pytest
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
+#: the original Adult, COMPAS and German credit files (adult/, compas/, german/): the folder
+#: MPIFL_TEST_DATA names, else shared/data beside the repository (where CI keeps them)
+TABULAR_DATA = Path(os.environ.get("MPIFL_TEST_DATA")
+                    or Path(__file__).resolve().parents[2] / "shared" / "data")
 
 
 def mpiexec() -> str:

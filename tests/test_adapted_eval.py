@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.utils import vector_to_parameters
 
 from mpifl.cli import main
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients import VmapTrainer, client_minibatches
 from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import ADAPT_TAG
@@ -81,9 +82,9 @@ def test_evaluate_adapted_matches_per_client_sgd(epochs, batch_size, momentum, w
     train_idx, test_idx = parts[0::2], parts[1::2]
     ids = np.array([7, 2, 9, 4, 11])
     w = layout.flatten_module(model).detach() + 0.05
-    trainer = VmapTrainer(model, layout, x, y, epochs=epochs, batch_size=batch_size,
-                          momentum=momentum, weight_decay=weight_decay, seed=5,
-                          memory_budget_mb=budget, order_tag=ADAPT_TAG, pretrain_losses=False)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(
+        epochs=epochs, batch_size=batch_size, momentum=momentum, weight_decay=weight_decay,
+        seed=5, memory_budget_mb=budget, order_tag=ADAPT_TAG, pretrain_losses=False))
     acc, loss = trainer.evaluate_adapted(w, 6, 0.3, ids, train_idx, test_idx)
     want_acc, want_loss = oracle_adapted(
         model, x, y, w, round=6, lr=0.3, epochs=epochs, batch_size=batch_size, client_ids=ids,

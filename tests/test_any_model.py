@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.loop import LoopTrainer, step_seed
 from mpifl.clients.select import select_trainer
 from mpifl.clients.minibatches import client_minibatches
@@ -80,8 +81,10 @@ def test_vmap_equals_the_loop_oracle_on_the_models_it_takes(name, shape, options
     idx = _clients((13, 40, 37))
     w = layout.flatten_module(model)
     kw = dict(epochs=2, batch_size=8, **options)
-    got = VmapTrainer(model, layout, x, y, **kw).train(w, 5, 0.1, np.array([3, 1, 7]), idx)
-    want = LoopTrainer(model, layout, x, y, **kw).train(w, 5, 0.1, np.array([3, 1, 7]), idx)
+    got = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+        w, 5, 0.1, np.array([3, 1, 7]), idx)
+    want = LoopTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+        w, 5, 0.1, np.array([3, 1, 7]), idx)
     assert torch.allclose(got[0], want[0], atol=1e-5)
     assert torch.allclose(got[1], want[1], atol=1e-5)
 
@@ -103,7 +106,7 @@ def test_loop_trainer_is_the_written_out_loop_for_batchnorm_and_dropout():
     idx = _clients((20, 30))
     w = layout.flatten_module(model)
     loss = get_loss("cross_entropy")
-    trainer = LoopTrainer(model, layout, x, y, epochs=2, batch_size=6, momentum=0.9)
+    trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=6, momentum=0.9))
     updates, _ = trainer.train(w, 4, 0.05, np.array([2, 9]), idx)
     for row, cid, i in zip(updates, (2, 9), idx):
         want = _loop_oracle(model, layout, x, y, w, 4, 0.05, cid, i, epochs=2, batch_size=6,
@@ -120,7 +123,7 @@ def test_dropout_masks_are_keyed_by_client_not_by_chunk_order_or_caller():
     x, y = _data(60, (3, 8, 8), 3)
     idx = _clients((20, 25, 15))
     w = layout.flatten_module(model)
-    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=5)
+    trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=5))
     both, _ = trainer.train(w, 1, 0.1, np.array([0, 1, 2]), idx)
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
@@ -142,7 +145,7 @@ def test_global_batchnorm_statistics_are_averaged_like_parameters():
     x, y = _data(40, (3, 8, 8), 3)
     idx = _clients((10, 30))
     w = layout.flatten_module(model)
-    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=10)
+    trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=10))
     updates, losses = trainer.train(w, 0, 0.1, np.array([0, 1]), idx)
     rule = create("fedavg")
     step = rule.aggregate(RoundUpdates(round=0, client_ids=np.array([0, 1]), updates=updates,
@@ -166,7 +169,8 @@ def test_local_batchnorm_trains_from_each_clients_own_coordinates():
     idx = _clients((20, 30))
     w = layout.flatten_module(model)
     state = torch.stack([w[local] + 0.1, w[local] * 0.5])
-    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=7, local_index=local)
+    trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=7),
+                          local_index=local)
     assert trainer.columns.state == len(local)
     updates, _, stats = trainer.run_round(w, 2, 0.1, np.array([4, 5]), idx, state=state)
     assert torch.equal(updates[:, local], torch.zeros(2, len(local)))
@@ -190,7 +194,7 @@ def test_evaluation_uses_the_models_running_statistics_not_the_test_batch():
     layout = ParamLayout.from_module(model)
     x, y = _data(30, (3, 8, 8), 3)
     w = layout.flatten_module(model)
-    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=10)
+    trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=10))
     acc, loss = trainer.evaluate(w, [np.arange(30)])
     net = copy.deepcopy(model).eval()
     want = F.cross_entropy(net(x), y).item()
@@ -252,10 +256,12 @@ def test_losses_train_the_same_on_both_paths():
         w = layout.flatten_module(model)
         idx = _clients((25, 35))
         kw = dict(epochs=2, batch_size=10, loss=loss)
-        got = VmapTrainer(model, layout, x, y, **kw).train(w, 0, 0.1, np.array([0, 1]), idx)
-        want = LoopTrainer(model, layout, x, y, **kw).train(w, 0, 0.1, np.array([0, 1]), idx)
+        got = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+            w, 0, 0.1, np.array([0, 1]), idx)
+        want = LoopTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+            w, 0, 0.1, np.array([0, 1]), idx)
         assert torch.allclose(got[0], want[0], atol=1e-5), loss.name
-        acc, ev_loss = VmapTrainer(model, layout, x, y, **kw).evaluate(w, idx)
+        acc, ev_loss = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).evaluate(w, idx)
         assert np.isnan(acc).all() == (not loss.classification)
         assert ev_loss[0] == pytest.approx(loss.per_sample(model(x[:25]), y[:25]).mean().item(),
                                            rel=1e-5)

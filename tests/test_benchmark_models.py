@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
 from mpifl.clients.trainer import VmapTrainer
@@ -158,8 +159,8 @@ def test_vmap_trains_the_benchmark_models_as_the_loop_does(name):
     w = layout.flatten_module(model)
     idx, ids = _clients((7, 12, 9)), np.array([4, 0, 2])
     kw = dict(epochs=2, batch_size=4, momentum=0.5, weight_decay=1e-3, loss=get_loss(loss))
-    got = VmapTrainer(model, layout, x, y, **kw).train(w, 3, 0.1, ids, idx)
-    want = LoopTrainer(model, layout, x, y, **kw).train(w, 3, 0.1, ids, idx)
+    got = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).train(w, 3, 0.1, ids, idx)
+    want = LoopTrainer(model, layout, x, y, TrainOptions(**kw)).train(w, 3, 0.1, ids, idx)
     assert want[0].abs().max() > 1e-2  # the clients did move
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
@@ -192,8 +193,8 @@ def test_transformer_with_dropout_trains_in_the_loop_and_vmap_refuses_it():
         select_trainer("vmap", traits, "sgd", "cpu")
     assert select_trainer("auto", traits, "sgd", "cuda")[0] == "loop"
     layout = ParamLayout.from_module(model)
-    trainer = LoopTrainer(model, layout, x, seq, epochs=1, batch_size=10, random=True,
-                          loss=get_loss("token_cross_entropy"))
+    trainer = LoopTrainer(model, layout, x, seq, TrainOptions(
+        epochs=1, batch_size=10, loss=get_loss("token_cross_entropy")), random=True)
     w, idx, losses = layout.flatten_module(model), _clients((20, 20, 20)), []
     for rnd in range(6):  # FedAvg: the mean of three equal clients' updates
         updates, loss = trainer.train(w, rnd, 0.5, np.arange(3), idx)

@@ -26,9 +26,10 @@ from mpifl.data.registry import (CLIENTS, DATASET_LOADERS, LABELS, PARTITIONERS,
 from mpifl.experiment.config import config_diff, config_from_json, load_config, read_toml
 from mpifl.experiment.naming import run_id
 from mpifl.core.params import Params
+from tests.helpers import TABULAR_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = TABULAR_DATA
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 #: what the old DataConfig dumped into every results file and checkpoint, whatever the data set
 OLD_FLAT_DEFAULTS = {"classes": [0, 2, 6], "classes_per_client": 2, "dirichlet_alpha": 0.5,

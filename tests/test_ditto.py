@@ -16,6 +16,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from mpifl.aggregators import PersonalModels, RoundUpdates, create, rule
 from mpifl.cli import main
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients import TRAINERS, DittoTrainer, VmapTrainer, client_minibatches
 from mpifl.experiment.config import load_config
 from mpifl.core.layout import ParamLayout
@@ -84,7 +85,8 @@ def test_trainer_matches_per_client_sgd_oracle(epochs, batch_size, momentum, wei
     V = w + 0.3 * torch.randn(len(sizes), layout.d, generator=g)  # personal models away from w
     kw = dict(epochs=epochs, batch_size=batch_size, momentum=momentum, weight_decay=weight_decay,
               seed=4)
-    trainer = DittoTrainer(model, layout, x, y, lam=0.7, memory_budget_mb=budget, **kw)
+    trainer = DittoTrainer(model, layout, x, y, TrainOptions(memory_budget_mb=budget, **kw),
+                           lam=0.7)
     if budget < 1:
         assert len(trainer.plan_chunks(np.array(sizes))) > 1
     updates, losses, stats = trainer.run_round(w, 3, 0.2, ids, idx, None, V.clone())
@@ -95,7 +97,7 @@ def test_trainer_matches_per_client_sgd_oracle(epochs, batch_size, momentum, wei
     torch.testing.assert_close(losses, want_l, rtol=0, atol=ATOL)
     assert set(stats) == {"client_state"} and stats["client_state"].dtype == torch.float32
     # the global part is exactly VmapTrainer's FedAvg local training
-    plain = VmapTrainer(model, layout, x, y, memory_budget_mb=budget, **kw)
+    plain = VmapTrainer(model, layout, x, y, TrainOptions(memory_budget_mb=budget, **kw))
     u0, l0 = plain.train(w, 3, 0.2, ids, idx)
     assert torch.equal(updates, u0) and torch.equal(losses, l0)
 
@@ -105,10 +107,11 @@ def test_lam_zero_is_local_training_and_columns():
     V = (w + 0.1).expand(2, -1).clone()
     ids = np.array([0, 1])
     kw = dict(epochs=1, batch_size=4, seed=0)
-    t0 = DittoTrainer(model, layout, x, y, lam=0.0, **kw)
+    t0 = DittoTrainer(model, layout, x, y, TrainOptions(**kw), lam=0.0)
     _, _, stats = t0.run_round(w, 0, 0.1, ids, idx, None, V)
     # lam = 0: the personal model is plain local SGD from v_k (= VmapTrainer started at v_k)
-    local = VmapTrainer(model, layout, x, y, **kw)._train(w, 0, 0.1, ids, idx, start=V)[0]
+    local = VmapTrainer(model, layout, x, y, TrainOptions(**kw))._train(
+        w, 0, 0.1, ids, idx, start=V)[0]
     torch.testing.assert_close(stats["client_state"], w - local, rtol=0, atol=1e-6)
     cols = DittoTrainer.columns_for(layout.d)
     assert cols.state == layout.d and cols.stats == (("client_state", layout.d),)
@@ -116,7 +119,7 @@ def test_lam_zero_is_local_training_and_columns():
     with pytest.raises(ValueError, match="state rows"):
         t0.run_round(w, 0, 0.1, ids, idx, None, None)
     with pytest.raises(ValueError, match="lam"):
-        DittoTrainer(model, layout, x, y, lam=-1.0, **kw)
+        DittoTrainer(model, layout, x, y, TrainOptions(**kw), lam=-1.0)
 
 
 @pytest.mark.parametrize("budget", [1024.0, 0.004])
@@ -125,8 +128,8 @@ def test_evaluate_each_matches_a_per_client_evaluate_loop(budget):
     model, layout, x, y, idx, w = make_setup(sizes, seed=2)
     g = torch.Generator().manual_seed(3)
     W = w + 0.5 * torch.randn(len(sizes), layout.d, generator=g)
-    trainer = DittoTrainer(model, layout, x, y, lam=0.1, epochs=1, batch_size=5,
-                           memory_budget_mb=budget)
+    trainer = DittoTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=5,
+                                                             memory_budget_mb=budget), lam=0.1)
     if budget < 1:  # several client chunks, and sample blocks inside a chunk
         per_row = 4 * (2 * trainer._act_numel + trainer._in_numel) + 64
         chunks = trainer._eval_chunks(np.array(sizes), 8 * layout.d, per_row)

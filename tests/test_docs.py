@@ -13,13 +13,16 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "ALGORITHMS.md"
 #: what a user's clone must be readable with: the package, its docs and every shipped file
-SCOPE = ("mpifl", "docs", "README.md", "jobs", "slurm", "analysis", "examples")
+SCOPE = ("mpifl", "docs", "README.md", "CONTRIBUTING.md", "CHANGELOG.md", "jobs", "slurm",
+         "analysis", "examples", "tools", "tests")
 #: pointers to files outside the repository (the team's shared folder, its SPEC and DESIGN)
 FORBIDDEN = (
     ("../shared", re.compile(re.escape("../shared"))),
     ("SPEC §", re.compile(r"\bSPEC\s*§")),
     ("SPEC.md", re.compile(r"\bSPEC\.md\b")),
     ('DESIGN "...', re.compile(r"\bDESIGN,?\s+\"")),
+    # the team's issue tracker is not shipped: cite files, commits and papers instead
+    ("issue N", re.compile(r"\bissues?\s+#?\d+", re.IGNORECASE)),
 )
 CITATION = re.compile(r"ALGORITHMS\.md((?:(?:\s*,\s*|\s+and\s+|\s+)§[0-9][0-9.\-–]*)+)")
 SECTION_REF = re.compile(r"§([0-9][0-9.\-–]*)")
@@ -93,6 +96,8 @@ def test_nothing_points_outside_the_repository():
         if text is None:
             continue
         for lineno, line in enumerate(text.splitlines(), 1):
+            if path == Path(__file__) and "re.compile(" in line:
+                continue  # the patterns themselves
             for what, pattern in FORBIDDEN:
                 if pattern.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{lineno}: {what}: {line.strip()}")
@@ -176,3 +181,19 @@ def test_hyper_parameter_tables_match_params(name):
     for key, field in fields.items():
         row = f"| `{key}` | {_shown(field.default)} |"
         assert row in block, f"{name}: expected the row '{row}' (from {cls.__name__}.Params)"
+
+
+def test_the_architecture_table_lists_every_module():
+    """docs/ARCHITECTURE.md's layer table names each module of each folder ("store: checkpoint,
+    ..."), so a new module must be placed in a layer there too."""
+    table = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    wrong = {}
+    for folder in sorted(p for p in (ROOT / "mpifl").iterdir()
+                         if p.is_dir() and (p / "__init__.py").exists()):
+        found = re.search(rf"\b{folder.name}: ([a-z_0-9, ]+)", table)
+        listed = set(found.group(1).replace(" ", "").split(",")) if found else set()
+        modules = {m.stem for m in folder.glob("*.py") if m.stem != "__init__"}
+        if listed != modules:
+            wrong[folder.name] = {"missing": sorted(modules - listed),
+                                  "gone": sorted(listed - modules)}
+    assert not wrong, f"docs/ARCHITECTURE.md's layer table is out of date: {wrong}"

@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.loop import LoopTrainer, step_seed
 from mpifl.clients.minibatches import client_minibatches
 from mpifl.clients.trainer import VmapTrainer
@@ -115,7 +116,7 @@ IDS = np.array([3, 1, 7])
 def _train(cls, model, x, y, device, **kw):
     layout = ParamLayout.from_module(model)
     w = layout.flatten_module(model).to(device)
-    trainer = cls(model, layout, x, y, device=device, epochs=2, batch_size=8, **kw)
+    trainer = cls(model, layout, x, y, TrainOptions(device=device, epochs=2, batch_size=8, **kw))
     updates, losses = trainer.train(w, 5, 0.1, IDS, _clients((13, 40, 37)))
     return updates.cpu(), losses.cpu()
 
@@ -197,7 +198,8 @@ def test_clients_in_reverse_order_train_the_same_updates(name):
     x, y = _data(90, shape, 3)
     layout = ParamLayout.from_module(model)
     w = layout.flatten_module(model).to(DEVICE)
-    trainer = cls(model, layout, x, y, device=DEVICE, epochs=2, batch_size=8, momentum=0.9)
+    trainer = cls(model, layout, x, y, TrainOptions(device=DEVICE, epochs=2, batch_size=8,
+                                                    momentum=0.9))
     idx = _clients((30, 30, 30))  # equal sizes: the vmapped chunks hold the same shapes
     forward = trainer.train(w, 4, 0.1, IDS, idx)
     backward = trainer.train(w, 4, 0.1, IDS[::-1].copy(), idx[::-1])
@@ -214,8 +216,8 @@ def test_evaluation_on_the_device_equals_the_cpu():
     layout = ParamLayout.from_module(model)
     w = layout.flatten_module(model)
     idx = _clients((13, 40, 37))
-    on = LoopTrainer(model, layout, x, y, device=DEVICE, epochs=1, batch_size=8)
-    off = LoopTrainer(model, layout, x, y, device="cpu", epochs=1, batch_size=8)
+    on = LoopTrainer(model, layout, x, y, TrainOptions(device=DEVICE, epochs=1, batch_size=8))
+    off = LoopTrainer(model, layout, x, y, TrainOptions(device="cpu", epochs=1, batch_size=8))
     acc, loss = on.evaluate(w.to(DEVICE), idx)
     acc_cpu, loss_cpu = off.evaluate(w, idx)
     # a near-tie of two logits may break the other way: at most one sample a client

@@ -18,10 +18,10 @@ from mpifl.experiment.config import load_config
 from mpifl.experiment.assemble import build_parts
 from mpifl.experiment.plan import make_plan
 from mpifl.metrics.fairness import group_violations, violations_from_counts
-from tests.helpers import mpiexec
+from tests.helpers import TABULAR_DATA, mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = TABULAR_DATA
 ADULT = ["--set", "data.dataset=adult", "--set", "data.partition=group_skew",
          "--set", "data.num_clients=5", "--set", "server.clients_per_round=5",
          "--set", "model.hidden=[32,32]", "--set", f"data.data_root={SHARED}",
@@ -54,7 +54,7 @@ def run(ranks: int, out: Path) -> None:
 @pytest.mark.mpi
 def test_adult_evaluations_match_a_direct_computation(tmp_path):
     if not SHARED.is_dir():
-        pytest.fail(f"{SHARED} missing: the shared test data sits beside the repository")
+        pytest.fail(f"{SHARED} missing: MPIFL_TEST_DATA names the tabular test data folder")
     one, three = tmp_path / "one.h5", tmp_path / "three.h5"
     run(1, one)
     run(3, three)

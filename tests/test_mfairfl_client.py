@@ -21,16 +21,17 @@ from mpifl import aggregators
 from mpifl.metrics import fairness
 from mpifl.aggregators.mfairfl import MFairFL
 from mpifl.cli import main
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients import TRAINERS, LagrangianTrainer, VmapTrainer, client_minibatches
 from mpifl.experiment.config import load_config
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
 from mpifl.store.results import MEASURED_COLUMNS
-from tests.helpers import mpiexec
+from tests.helpers import TABULAR_DATA, mpiexec
 
 ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+DATA = TABULAR_DATA
 NOTIONS = ("dp", "eo", "ap")
 
 
@@ -106,8 +107,8 @@ def table(n=96, seed=0):
 def trainer(model, layout, x, y, s, notion, eps=0.02, **kw):
     kw.setdefault("epochs", 2)
     kw.setdefault("batch_size", 8)
-    return LagrangianTrainer(model, layout, x, y, sensitive=s, fair_notion=notion, fair_eps=eps,
-                             **kw)
+    return LagrangianTrainer(model, layout, x, y, TrainOptions(**kw), sensitive=s,
+                             fair_notion=notion, fair_eps=eps)
 
 
 def multipliers(notion, seed=1):
@@ -206,8 +207,8 @@ def test_reported_constraints_on_a_hand_computed_table():
             "eo": [0.2, abs(0.4 - 1.9 / 3), 0.2, abs(0.75 - 1.9 / 3)],
             "ap": [abs(ce[:2].mean() - ce.mean()), abs(ce[2:].mean() - ce.mean())]}
     for notion, gaps in hand.items():
-        t = LagrangianTrainer(model, layout, x, y, sensitive=s, fair_notion=notion, fair_eps=eps,
-                              epochs=1, batch_size=0)
+        t = LagrangianTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=0),
+                              sensitive=s, fair_notion=notion, fair_eps=eps)
         lam = np.arange(1, len(gaps) + 1, dtype=np.float64)
         _, losses, stats = t.run_round(w, 0, 0.1, np.array([0]), [np.arange(5)], lam)
         want = np.array(gaps) - eps
@@ -242,7 +243,8 @@ def test_zero_multipliers_give_exactly_vmap_trainers_updates(notion):
     for kw in ({}, {"momentum": 0.5, "weight_decay": 1e-3}):
         t = trainer(model, layout, x, y, s, notion, **kw)
         u, losses, _ = t.run_round(w, 1, 0.1, ids, idx, np.zeros(t.columns.inputs))
-        u_ref, l_ref = VmapTrainer(model, layout, x, y, epochs=2, batch_size=8, **kw).train(
+        u_ref, l_ref = VmapTrainer(model, layout, x, y,
+                                   TrainOptions(epochs=2, batch_size=8, **kw)).train(
             w, 1, 0.1, ids, idx)
         assert torch.equal(u, u_ref) and torch.equal(losses, l_ref)
         u2, l2 = t.train(w, 1, 0.1, ids, idx)                 # train(): lambda = 0
@@ -252,8 +254,9 @@ def test_zero_multipliers_give_exactly_vmap_trainers_updates(notion):
 def test_softmax_output_model_uses_its_probabilities():
     model, layout, x, y, s, idx = table()
     soft = build_model("mlp", (6,), 2, hidden=(8, 8), output="softmax", seed=0)
-    t = LagrangianTrainer(soft, ParamLayout.from_module(soft), x, y, sensitive=s,
-                          fair_notion="dp", fair_eps=0.0, epochs=1, batch_size=0)
+    t = LagrangianTrainer(soft, ParamLayout.from_module(soft), x, y,
+                          TrainOptions(epochs=1, batch_size=0), sensitive=s,
+                          fair_notion="dp", fair_eps=0.0)
     w = ParamLayout.from_module(soft).flatten_module(soft).detach()
     _, cons = t.constraint_values(w, idx[:1])
     with torch.no_grad():
@@ -276,8 +279,8 @@ def test_columns_options_and_bad_input():
         t.run_round(w, 0, 0.1, np.array([0]), idx[:1], np.array([0, 0, -1.0, 0]))
     with pytest.raises(ValueError, match="2 outputs"):
         m3 = build_model("mlp", (6,), 3, hidden=(4,), seed=0)
-        LagrangianTrainer(m3, ParamLayout.from_module(m3), x, y, sensitive=s, epochs=1,
-                          batch_size=0)
+        LagrangianTrainer(m3, ParamLayout.from_module(m3), x, y,
+                          TrainOptions(epochs=1, batch_size=0), sensitive=s)
     with pytest.raises(ValueError, match="sensitive"):
         trainer(model, layout, x, y, s[:-1], "dp")
     with pytest.raises(ValueError, match="notion"):
@@ -379,7 +382,7 @@ def contents(path: Path) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def adult_job(tmp_path_factory) -> Path:
     if not (DATA / "adult").is_dir():
-        pytest.fail(f"{DATA}/adult missing (../shared/data beside the repository)")
+        pytest.fail(f"{DATA}/adult missing (MPIFL_TEST_DATA names the tabular test data folder)")
     path = tmp_path_factory.mktemp("mfairfl") / "job.toml"
     path.write_text(JOB)
     return path

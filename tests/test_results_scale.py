@@ -18,7 +18,7 @@ import pytest
 import mpifl
 from mpifl.core.errors import OutputError
 from mpifl.metrics.summary import SUMMARY_KEYS
-from mpifl.store import checkpoint, results
+from mpifl.store import checkpoint, encoding, results
 from mpifl.store.results import CHUNK_ELEMENTS, LazyArray, ResultsWriter, read_results
 
 K, C, M, LAYERS = 200_000, 10, 1_000, 3
@@ -150,7 +150,7 @@ def test_lazy_runs_of_different_k_align_and_pad(big, tmp_path):
 
 def test_contiguous_files_of_older_mpifl_still_load(tmp_path, monkeypatch):
     old = tmp_path / "old.h5"
-    monkeypatch.setattr(results, "COMPRESS_MIN_BYTES", 1 << 62)  # store as mpifl did before
+    monkeypatch.setattr(encoding, "COMPRESS_MIN_BYTES", 1 << 62)  # store as mpifl did before
     want = _fake_run(old, k=50_000, rounds=4)
     monkeypatch.undo()
     with h5py.File(old) as f:
@@ -187,8 +187,8 @@ def test_unsealed_file_opened_lazily_is_value_checked_in_blocks(big, tmp_path):
 
 def test_rewrites_compress_only_new_evaluation_rows(tmp_path, monkeypatch):
     encoded = []
-    real = results._encode
-    monkeypatch.setattr(results, "_encode", lambda block, *a: encoded.append(block.shape) or
+    real = encoding._encode
+    monkeypatch.setattr(encoding, "_encode", lambda block, *a: encoded.append(block.shape) or
                         real(block, *a))
     k = 3 * CHUNK_ELEMENTS
     w = ResultsWriter(tmp_path / "r.h5", "{}", world_size=1, num_clients=k, num_layers=1,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from mpifl import aggregators
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients import TRAINERS, VmapTrainer, client_minibatches
 from mpifl.core.layout import ParamLayout
 from mpifl.experiment.plan import _trainer_plan
@@ -74,7 +75,7 @@ def test_training_pass_loss_matches_per_client_oracle(kw):
     model, layout, x, y, idx = setup(sizes=(23, 9, 40, 16))
     w = layout.flatten_module(model)
     ids = np.array([3, 11, 5, 0])
-    trainer = VmapTrainer(model, layout, x, y, pretrain_losses=False, **kw)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(pretrain_losses=False, **kw))
     u, loss = trainer.train(w, 4, 0.1, ids, idx)
     u_ref, l_ref = oracle(model, x, y, w, round=4, lr=0.1, client_ids=ids, sample_idx=idx, **kw)
     assert u_ref.abs().max() > 1e-3
@@ -86,9 +87,10 @@ def test_full_batch_training_loss_is_the_pre_training_loss():
     model, layout, x, y, idx = setup(sizes=(20, 7, 33))
     w = layout.flatten_module(model)
     ids = np.arange(3)
-    _, before = VmapTrainer(model, layout, x, y, epochs=2, batch_size=0).train(w, 0, 0.1, ids, idx)
-    _, during = VmapTrainer(model, layout, x, y, epochs=2, batch_size=0,
-                            pretrain_losses=False).train(w, 0, 0.1, ids, idx)
+    _, before = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0)).train(
+        w, 0, 0.1, ids, idx)
+    _, during = VmapTrainer(model, layout, x, y, TrainOptions(
+        epochs=2, batch_size=0, pretrain_losses=False)).train(w, 0, 0.1, ids, idx)
     torch.testing.assert_close(during, before, atol=1e-6, rtol=0)
 
 
@@ -100,12 +102,13 @@ def test_losses_for_rules_that_need_them_are_the_pre_training_pass_bit_for_bit(b
     w = layout.flatten_module(model)
     ids = np.array([3, 11, 5, 0])
     kw = dict(epochs=2, batch_size=6, momentum=0.5, memory_budget_mb=budget)
-    default = VmapTrainer(model, layout, x, y, **kw)
+    default = VmapTrainer(model, layout, x, y, TrainOptions(**kw))
     u, loss = default.train(w, 2, 0.1, ids, idx)
     want = default._client_stats(default._check_w(w), idx)[0].float()
     assert torch.equal(loss, want)
     assert torch.equal(loss, torch.from_numpy(default.evaluate(w, idx)[1]).float())
-    u2, _ = VmapTrainer(model, layout, x, y, pretrain_losses=False, **kw).train(w, 2, 0.1, ids, idx)
+    u2, _ = VmapTrainer(model, layout, x, y, TrainOptions(pretrain_losses=False, **kw)).train(
+        w, 2, 0.1, ids, idx)
     assert torch.equal(u, u2)
 
 
@@ -114,8 +117,8 @@ def test_report_accuracy_keeps_the_pre_training_pass():
     pass (and its losses) even without pretrain_losses."""
     model, layout, x, y, idx = setup(sizes=(23, 9, 40))
     w = layout.flatten_module(model)
-    t = VmapTrainer(model, layout, x, y, epochs=1, batch_size=5, report_accuracy=True,
-                    pretrain_losses=False)
+    t = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=5, report_accuracy=True,
+                                                      pretrain_losses=False))
     _, loss, stats = t.run_round(w, 0, 0.1, np.arange(3), idx)
     acc, want = t.evaluate(w, idx)
     assert torch.equal(loss, torch.from_numpy(want).float())

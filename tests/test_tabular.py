@@ -1,12 +1,11 @@
 """Tabular fairness data (Adult, COMPAS, German credit): row counts, stable feature widths,
 encoding, standardisation with training-pool statistics, checksums, the group_skew partition
-(docs/ALGORITHMS.md §8) and the config keys. Reads the original files kept in ../shared/data beside
-the repository (see its README)."""
+(docs/ALGORITHMS.md §8) and the config keys. Reads the original UCI and ProPublica files from
+tests.helpers.TABULAR_DATA (adult/, compas/, german/)."""
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +16,9 @@ from mpifl.data import partition as P
 from mpifl.data.tabular import (ROW_COUNTS, TABULAR, feature_width, load_tabular,
                                 standardise_numeric)
 from mpifl.core.errors import ConfigError, DataError
+from tests.helpers import TABULAR_DATA
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = TABULAR_DATA
 
 # documented in mpifl/data/tabular.py: rows kept, width with / without the sensitive columns
 WIDTHS = {"adult": (105, 103), "compas": (18, 16), "german": (63, 58)}
@@ -28,8 +28,8 @@ ROWS = {"adult": 45_222, "compas": 6_172, "german": 1_000}
 @pytest.fixture(scope="module")
 def data_root() -> str:
     if not all((DATA / d).is_dir() for d in TABULAR):
-        pytest.fail(f"the test data folder {DATA} (../shared/data beside the repository, with "
-                    f"adult/, compas/, german/) is missing")
+        pytest.fail(f"the tabular test data folder {DATA} (adult/, compas/, german/; "
+                    "MPIFL_TEST_DATA names another) is missing")
     return str(DATA)
 
 

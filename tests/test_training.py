@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients import VmapTrainer, batch_order, client_minibatches
 from mpifl.clients.minibatches import step_widths
 from mpifl.core.layout import ParamLayout
@@ -85,7 +86,7 @@ def run_both(model, layout, x, y, idx, *, client_ids=None, round=3, lr=0.1, **kw
     client_ids = np.arange(len(idx)) * 7 + 2 if client_ids is None else client_ids
     w = layout.flatten_module(model)
     budget = kw.pop("memory_budget_mb", 1024.0)
-    trainer = VmapTrainer(model, layout, x, y, memory_budget_mb=budget, **kw)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(memory_budget_mb=budget, **kw))
     got = trainer.train(w, round, lr, client_ids, idx)
     want = oracle_train(model, x, y, w, round=round, lr=lr, client_ids=client_ids,
                         sample_idx=idx, **kw)
@@ -175,7 +176,7 @@ def test_steps_drop_columns_that_are_padding_in_every_client():
     # sizes 12 and 7, B = 5, E = 2: steps of (5, 5, 2, 5, 5, 2) and (5, 2, 5, 2) real samples;
     # only the last step is padding beyond 2 columns in both clients
     model, layout, x, y, idx = setup(sizes=(12, 7))
-    trainer = VmapTrainer(model, layout, x, y, epochs=2, batch_size=5)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=5))
     _, weights, steps = trainer._schedule(0, np.array([0, 1]), np.array([12, 7]))
     assert weights.shape == (2, 6, 5) and steps.tolist() == [6, 4]
     assert step_widths(weights).tolist() == [5, 5, 5, 5, 5, 2]
@@ -202,7 +203,7 @@ def test_small_memory_budget_forces_chunks_with_same_answer():
     kw = dict(epochs=2, batch_size=16, momentum=0.5)
     got, want, _, w = run_both(model, layout, x, y, idx, **kw)
     assert_same(got, want)
-    small = VmapTrainer(model, layout, x, y, memory_budget_mb=0.06, **kw)
+    small = VmapTrainer(model, layout, x, y, TrainOptions(memory_budget_mb=0.06, **kw))
     sizes = np.array([len(i) for i in idx])
     chunks = small.plan_chunks(sizes)
     assert 2 < len(chunks) < len(idx)  # several chunks, some holding more than one client
@@ -214,7 +215,7 @@ def test_small_memory_budget_forces_chunks_with_same_answer():
 
 def test_deterministic_and_keyed_by_round():
     model, layout, x, y, idx = setup(sizes=(20, 33))
-    trainer = VmapTrainer(model, layout, x, y, epochs=1, batch_size=6, seed=5)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=6, seed=5))
     w = layout.flatten_module(model)
     a, _ = trainer.train(w, 4, 0.1, np.array([0, 1]), idx)
     b, _ = trainer.train(w, 4, 0.1, np.array([0, 1]), idx)
@@ -225,7 +226,7 @@ def test_deterministic_and_keyed_by_round():
 
 def test_client_order_and_company_do_not_change_an_update():
     model, layout, x, y, idx = setup(sizes=(3, 17, 50, 101))
-    trainer = VmapTrainer(model, layout, x, y, epochs=2, batch_size=10, momentum=0.9)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=10, momentum=0.9))
     w = layout.flatten_module(model)
     ids = np.array([4, 9, 1, 6])
     u, l = trainer.train(w, 2, 0.1, ids, idx)
@@ -239,7 +240,7 @@ def test_client_order_and_company_do_not_change_an_update():
 
 def test_train_rejects_bad_input():
     model, layout, x, y, idx = setup(sizes=(5, 5))
-    trainer = VmapTrainer(model, layout, x, y, epochs=1, batch_size=0)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=0))
     w = layout.flatten_module(model)
     with pytest.raises(ValueError):
         trainer.train(w, 0, 0.1, np.array([0, 1]), [idx[0], np.array([], dtype=np.int64)])
@@ -249,7 +250,7 @@ def test_train_rejects_bad_input():
         trainer.train(w, 0, 0.1, np.array([0]), idx)
     other = ParamLayout.from_module(build_model("logreg", (12,), 4))
     with pytest.raises(ValueError):
-        VmapTrainer(model, other, x, y, epochs=1, batch_size=0)
+        VmapTrainer(model, other, x, y, TrainOptions(epochs=1, batch_size=0))
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -257,7 +258,8 @@ def test_train_rejects_bad_input():
 
 def test_evaluate_matches_per_client_loop():
     model, layout, x, y, idx = setup(sizes=(1, 7, 30, 64), output="softmax")
-    trainer = VmapTrainer(model, layout, x, y, epochs=1, batch_size=0, memory_budget_mb=0.01)
+    trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=0,
+                                                            memory_budget_mb=0.01))
     w = layout.flatten_module(model) + 0.3 * torch.randn(layout.d, generator=torch.Generator().manual_seed(2))
     acc, loss = trainer.evaluate(w, idx)
     acc_ref, loss_ref = oracle_evaluate(model, x, y, w, idx)
@@ -277,8 +279,8 @@ def test_stacked_mlp_path_equals_the_vmapped_path():
 
     model, layout, x, y, idx = setup(sizes=(23, 7, 40, 1))
     kw = dict(epochs=2, batch_size=6, momentum=0.9, weight_decay=0.01, prox_mu=0.1)
-    fast = VmapTrainer(model, layout, x, y, **kw)
-    slow = VmapTrainer(model, layout, x, y, **kw)
+    fast = VmapTrainer(model, layout, x, y, TrainOptions(**kw))
+    slow = VmapTrainer(model, layout, x, y, TrainOptions(**kw))
     assert isinstance(fast._step_grad, functools.partial)  # the batched path was chosen
     slow._step_grad = vmap(grad(slow._minibatch_loss))
     slow._step_grad_value = vmap(grad_and_value(slow._minibatch_loss))
@@ -300,5 +302,5 @@ def test_stacked_path_only_where_it_applies():
         model = build_model(name, shape, 4, hidden=(16, 8), output=output, seed=0)
         assert (stacked_forward(model) is not None) == applies, (name, output)
     model, layout, x, y, _ = setup()
-    uga = UGATrainer(model, layout, x, y, epochs=1, batch_size=5)
+    uga = UGATrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=5))
     assert not isinstance(uga._step_grad, functools.partial)  # keep-trace needs vmap(grad)

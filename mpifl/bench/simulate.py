@@ -6,7 +6,7 @@ The workload is a federated dataset and model built exactly as a run builds them
 Fashion-MNIST, shards partition, MLP 784-200-200-10, B = 50, E = 1, lr 0.1), with 100 clients
 per round. Each timed round trains the same m clients from the same global parameters w twice:
 
-- **vectorised**: :meth:`mpifl.clients.VmapTrainer.train` (stacked parameters, one
+- **vectorised**: :meth:`mpifl.clients.VmapTrainer.run_round` (stacked parameters, one
   ``vmap(grad)`` step for all clients of a chunk per step index, padded minibatches);
 - **sequential**: :func:`sequential_train`, what other simulators do — one client at a time,
   a ``torch.optim.SGD`` on one ``nn.Module``, the same minibatch order
@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from mpifl.bench.aggregation import bench_device, machine_info, torch_threads
 from mpifl.clients.minibatches import client_minibatches
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.rng import BENCH_SIMULATE_TAG
 
@@ -192,9 +193,9 @@ def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, 
     seed = cfg.run.seed
     x = torch.from_numpy(fed.x).to(dev)
     y = torch.from_numpy(fed.y).to(dev)
-    trainer = VmapTrainer(parts.model, layout, x, y, epochs=c.epochs, batch_size=c.batch_size,
-                          momentum=c.momentum, weight_decay=c.weight_decay, seed=seed,
-                          memory_budget_mb=c.memory_budget_mb, device=dev)
+    trainer = VmapTrainer(parts.model, layout, x, y, TrainOptions(
+        epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
+        weight_decay=c.weight_decay, seed=seed, memory_budget_mb=c.memory_budget_mb, device=dev))
     net = _clone_module(parts.model).to(dev)
     flops = model_flops(net, fed.input_shape)
     seq_kw = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
@@ -206,7 +207,7 @@ def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, 
     w = parts.w0.to(dev)
     few = list(range(min(m, 4)))
     idx_few = [fed.train_indices(k) for k in few]
-    trainer.train(w, 0, c.lr, np.array(few), idx_few)
+    trainer.run_round(w, 0, c.lr, np.array(few), idx_few)
     sequential_train(net, x, y, w, round=0, lr=c.lr, client_ids=few, sample_idx=idx_few, **seq_kw)
 
     t_vec, t_seq, diff_u, diff_l, round_flops, samples = [], [], 0.0, 0.0, [], []
@@ -218,7 +219,7 @@ def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, 
         round_flops.append(int(n.sum()) * (c.epochs * flops["train"] + flops["forward"]))
         _sync(dev)
         t0 = time.perf_counter()
-        u_vec, l_vec = trainer.train(w, t, c.lr, ids, idx)
+        u_vec, l_vec, _ = trainer.run_round(w, t, c.lr, ids, idx)
         _sync(dev)
         t_vec.append(time.perf_counter() - t0)
         t0 = time.perf_counter()

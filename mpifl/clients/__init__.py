@@ -10,7 +10,8 @@ and :mod:`mpifl.clients.uga` (UGA's keep-trace training, Yao et al. 2019) and
 """
 
 from mpifl.clients.minibatches import batch_order, client_minibatches
-from mpifl.clients.trainer import VmapTrainer
+from mpifl.clients.interface import ClientTrainer, TrainOptions
+from mpifl.clients.trainer import TrainerBase, VmapTrainer
 from mpifl.core.registry import Registry
 from mpifl.core.wire import Columns
 from mpifl.clients.ditto import DittoTrainer
@@ -26,5 +27,6 @@ for _kind, _cls in (("sgd", VmapTrainer), ("uga", UGATrainer), ("mfairfl", Lagra
                     ("ditto", DittoTrainer)):
     TRAINERS.add(_kind, _cls)
 
-__all__ = ["TRAINERS", "Columns", "DittoTrainer", "LagrangianTrainer", "LoopTrainer",
-           "UGATrainer", "VmapTrainer", "batch_order", "client_minibatches", "select_trainer"]
+__all__ = ["TRAINERS", "ClientTrainer", "Columns", "DittoTrainer", "LagrangianTrainer",
+           "LoopTrainer", "TrainOptions", "TrainerBase", "UGATrainer", "VmapTrainer",
+           "batch_order", "client_minibatches", "select_trainer"]

@@ -6,36 +6,31 @@ loss raises during training or evaluation, the run ends with one line such as
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from mpifl.clients.interface import ClientTrainer, TrainerWrapper
 from mpifl.core.blame import blame
 
 __all__ = ["Blamed"]
 
-#: Trainer methods that run the model and the loss, and the phase each one is.
-_PHASES = {"run_round": "train", "train": "train", "evaluate": "evaluate",
-           "evaluate_groups": "evaluate", "evaluate_each": "evaluate",
-           "evaluate_local": "evaluate", "evaluate_adapted": "evaluate (adapted)"}
+T = TypeVar("T")
 
 
-class Blamed:
-    """Wraps a trainer; its model- and loss-running methods report plugin failures.
+class Blamed(TrainerWrapper):
+    """Wraps a trainer; its model- and loss-running calls (training, every evaluation) report
+    plugin failures.
 
     Args:
-        trainer: any trainer of :mod:`mpifl.clients`.
+        trainer: any :class:`~mpifl.clients.interface.ClientTrainer`.
         parts: ``[(kind, name, object), ...]`` the parts to blame (plugins among them are
             named; mpifl's own are not), e.g. ``[("model", "small_resnet", factory)]``.
     """
 
-    def __init__(self, trainer, parts: list[tuple[str, str, object]]):
-        self.trainer, self.parts = trainer, parts
+    def __init__(self, trainer: ClientTrainer, parts: list[tuple[str, str, object]]):
+        super().__init__(trainer)
+        self.parts = parts
 
-    def __getattr__(self, name):
-        attr = getattr(self.trainer, name)
-        phase = _PHASES.get(name)
-        if phase is None or not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            with blame(self.parts, phase):
-                return attr(*args, **kwargs)
-
-        return call
+    def _call(self, phase: str, fn: Callable[..., T], *args: Any) -> T:
+        with blame(self.parts, phase):
+            return fn(*args)

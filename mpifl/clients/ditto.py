@@ -40,9 +40,11 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.trainer import VmapTrainer
+from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
 
 
@@ -50,20 +52,20 @@ class DittoTrainer(VmapTrainer):
     """Global (FedAvg) and personal (proximal) local training of many clients at once.
 
     Args:
+        model, layout, x, y, options: :class:`~mpifl.clients.VmapTrainer`'s arguments;
+            ``options.prox_mu`` (FedProx) applies to the global model only.
         lam: Ditto's lambda >= 0, the coefficient of ``(lam/2) ||v_k - w^t||^2`` in the personal
             objective (``lam = 0``: purely local personal models).
-        **kw: :class:`~mpifl.clients.VmapTrainer`'s arguments (model, layout, x, y, epochs,
-            batch_size, momentum, weight_decay, seed, memory_budget_mb, device, prox_mu,
-            report_accuracy); ``prox_mu`` (FedProx) applies to the global model only.
 
     Raises:
         ValueError: lam negative or not finite, or VmapTrainer's errors.
     """
 
-    def __init__(self, *args, lam: float = 0.1, **kw):
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
+                 options: TrainOptions, *, lam: float = 0.1):
         if isinstance(lam, bool) or not (math.isfinite(float(lam)) and float(lam) >= 0):
             raise ValueError(f"ditto: lam must be a finite number >= 0, got {lam!r}")
-        super().__init__(*args, **kw)
+        super().__init__(model, layout, x, y, options)
         self.lam = float(lam)
 
     @classmethod

@@ -1,8 +1,9 @@
 """Evaluation of many clients at once: per-client loss, accuracy and group counts of one shared
 model, of each client's own model, and of each client's model after local adaptation.
 
-The functions take the :class:`~mpifl.clients.trainer.VmapTrainer` (or subclass) whose model,
-layout, loss, sample store, device and memory budget they use, and call its overridable methods
+The functions take the :class:`~mpifl.clients.trainer.TrainerBase` (VmapTrainer, LoopTrainer or
+a subclass) whose model, layout, loss, sample store, device and memory budget they use, and call
+its overridable methods
 (``_check_w``, ``_gather``, ``_forward_blocks``, ``_client_stats``, ``plan_chunks``,
 ``_train_chunk``, ``evaluate``, ``evaluate_each``) through it, so a subclass's version is the one
 that runs. The trainer's public methods of the same names delegate here; they run under

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mpifl.clients.interface import ClientTrainer, TrainerWrapper
 from mpifl.core.rng import DROPOUT_TAG
 
 
@@ -33,31 +34,25 @@ def accepted(updates: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     return ok
 
 
-class NaNClients:
-    """Wraps a trainer so that the listed clients' updates come back as NaN.
+class NaNClients(TrainerWrapper):
+    """Wraps a trainer so that the listed clients' updates come back as NaN; every other call
+    is the wrapped trainer's.
 
     Args:
-        trainer: a :class:`mpifl.clients.VmapTrainer` (``train``/``run_round``, ``evaluate``).
+        trainer: a :class:`~mpifl.clients.interface.ClientTrainer`.
         nan_clients: client ids whose updates are replaced by NaN after training.
     """
 
-    def __init__(self, trainer, nan_clients: list[int]):
-        self.trainer = trainer
+    def __init__(self, trainer: ClientTrainer, nan_clients: list[int]):
+        super().__init__(trainer)
         self.nan_clients = np.asarray(sorted(set(nan_clients)), dtype=np.int64)
 
-    def train(self, w, round, lr, client_ids, sample_idx):
-        updates, losses = self.trainer.train(w, round, lr, client_ids, sample_idx)
-        return self._poison(updates, client_ids), losses
-
     def run_round(self, w, round, lr, client_ids, sample_idx, inputs=None, state=None):
-        updates, losses, stats = self.trainer.run_round(w, round, lr, client_ids, sample_idx,
-                                                        inputs, state)
+        updates, losses, stats = super().run_round(w, round, lr, client_ids, sample_idx,
+                                                   inputs, state)
         return self._poison(updates, client_ids), losses, stats
 
     def _poison(self, updates, client_ids):
         bad = torch.as_tensor(np.isin(client_ids, self.nan_clients), device=updates.device)
         updates[bad] = float("nan")
         return updates
-
-    def __getattr__(self, name):  # evaluate, evaluate_groups, ...: the wrapped trainer's
-        return getattr(self.trainer, name)

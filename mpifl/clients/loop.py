@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from mpifl.clients.minibatches import client_minibatches
-from mpifl.clients.trainer import VmapTrainer
+from mpifl.clients.interface import TrainOptions
+from mpifl.clients.trainer import TrainerBase
 from mpifl.core.layout import ParamLayout, model_state
 from mpifl.core.rng import LAYER_TAG
 from mpifl.core.wire import Columns
@@ -56,14 +57,14 @@ def step_seed(seed: int, round: int, client_id: int, step: int, tag: int | None 
     return int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
-class LoopTrainer(VmapTrainer):
+class LoopTrainer(TrainerBase):
     """Local SGD of each selected client in turn, on a plain ``nn.Module`` in train mode.
 
-    Takes :class:`~mpifl.clients.VmapTrainer`'s arguments (model, layout, x, y, epochs,
-    batch_size, momentum, weight_decay, seed, memory_budget_mb, device, prox_mu,
-    report_accuracy, pretrain_losses, order_tag, loss) and returns the same results; evaluation
-    (:meth:`evaluate`, :meth:`evaluate_groups`) is the inherited batched forward of w, in eval
-    mode. ``memory_budget_mb`` bounds the evaluation blocks only: training holds one client.
+    :class:`~mpifl.clients.VmapTrainer`'s sibling: the same arguments (model, layout, x, y and
+    the :class:`~mpifl.clients.interface.TrainOptions`) and the same results; evaluation
+    (:meth:`evaluate`, :meth:`evaluate_groups`) is the shared batched forward of w
+    (:class:`~mpifl.clients.trainer.TrainerBase`), in eval mode. ``memory_budget_mb`` bounds
+    the evaluation blocks only: training holds one client.
 
     Args:
         local_index: (s,) int64 positions in w that stay with each client (local BatchNorm,
@@ -73,17 +74,17 @@ class LoopTrainer(VmapTrainer):
 
     Raises:
         ValueError: a layout that is not the model's state (parameters and float buffers),
-            or VmapTrainer's range errors.
+            or mismatched shapes.
     """
 
-    _plain_steps = False  # never the batched-matmul path: the steps run on the module itself
-
-    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor, *,
-                 local_index: np.ndarray | None = None, random: bool | None = None, **kw):
-        super().__init__(model, layout, x, y, **kw)
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
+                 options: TrainOptions, *, local_index: np.ndarray | None = None,
+                 random: bool | None = None):
+        super().__init__(model, layout, x, y, options)
         self.local_index = np.zeros(0, np.int64) if local_index is None else np.asarray(
             local_index, dtype=np.int64).reshape(-1)
-        self.columns = self.columns_for(layout.d, local_index=self.local_index, **kw)
+        self.columns = self.columns_for(layout.d, local_index=self.local_index,
+                                        report_accuracy=options.report_accuracy)
         self._local = torch.as_tensor(self.local_index, device=self.device)
         self.net = copy.deepcopy(model).to(self.device).train()
         self.model = copy.deepcopy(model).eval()  # evaluation: running statistics, no dropout

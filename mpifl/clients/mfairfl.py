@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from mpifl.metrics import fairness
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.wire import Columns
 from mpifl.core.layout import ParamLayout
@@ -102,12 +103,12 @@ class LagrangianTrainer(VmapTrainer):
 
     _has_extras = True
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor, *,
-                 sensitive: Tensor, fair_notion: str = "dp", fair_eps: float = 0.05,
-                 num_groups: int | None = None, **kw):
-        if kw.get("report_accuracy"):
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
+                 options: TrainOptions, *, sensitive: Tensor, fair_notion: str = "dp",
+                 fair_eps: float = 0.05, num_groups: int | None = None):
+        if options.report_accuracy:
             raise ValueError("LagrangianTrainer does not report training accuracies")
-        super().__init__(model, layout, x, y, **kw)
+        super().__init__(model, layout, x, y, options)
         if fair_notion not in fairness.NOTIONS:
             raise ValueError(f"unknown fairness notion {fair_notion!r} "
                              f"(known: {', '.join(fairness.NOTIONS)})")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -37,115 +38,80 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 from mpifl.clients import evaluation, memory
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.minibatches import batch_order, step_widths
 from mpifl.clients.stacked import stacked_ce_grad, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
-from mpifl.models.losses import Loss, get_loss
+from mpifl.models.losses import get_loss
 
-__all__ = ["VmapTrainer"]
+__all__ = ["TrainerBase", "VmapTrainer"]
 
 
-class VmapTrainer:
-    """Local SGD for many clients at once, plus batched per-client loss and accuracy.
+class TrainerBase(ABC):
+    """What :class:`VmapTrainer` and :class:`~mpifl.clients.loop.LoopTrainer` share: the sample
+    store, the options, :meth:`run_round` over their own ``_train``, the batched evaluations of
+    :mod:`mpifl.clients.evaluation` and the memory plan of evaluation.
 
     Args:
         model: the architecture (its own parameters are never used nor changed; the computation
-            runs ``functional_call`` with parameters taken from w). Parameters only, no buffers.
-        layout: ``ParamLayout.from_module(model)``.
+            runs ``functional_call`` with parameters taken from w).
+        layout: ``ParamLayout.from_module(model)`` (the loop: of the model's state).
         x: ``(N, *input_shape)`` float32 or ``(N, T)`` int64 token ids, the whole sample store
             (any device; only the samples of the clients being processed are moved to
-            ``device``).
+            ``options.device``).
         y: ``(N,)`` int64 labels, ``(N, T)`` int64 sequence targets, or ``(N,)`` / ``(N, T)``
-            float32 targets for a regression ``loss``.
-        epochs: E >= 1 local epochs.
-        batch_size: B >= 0 samples per minibatch; 0 means one full batch per epoch.
-        momentum, weight_decay: as in ``torch.optim.SGD`` (dampening 0, no Nesterov); the
-            optimiser state is fresh every round.
-        seed: experiment seed, keys :func:`~mpifl.clients.minibatches.batch_order`.
-        prox_mu: FedProx's proximal coefficient mu >= 0 (Li et al., MLSys 2020): the local loss
-            gets ``+ (mu/2) ||w_k - w||^2`` towards the round's global parameters w.
-        report_accuracy: also report each client's training accuracy of w, measured with the
-            pre-training loss, as the statistic ``train_accuracy`` (FedFa's ACC_k).
-        pretrain_losses: measure the reported losses with a forward pass of w over every
-            client's samples before training (``l_k`` of ALGORITHMS.md §0, what loss-based rules
-            such as FedFV and qFedAvg need). False (rules with ``needs.losses = False``): no
-            such pass unless ``report_accuracy`` asks for it; the reported loss is then the
-            training pass's own: the mean over the client's samples of the minibatch loss of
-            the first epoch, each sample's loss taken at the parameters its minibatch's step
-            started from (equal to ``l_k`` for full-batch training, B = 0).
-        memory_budget_mb: clients are trained in chunks whose estimated working memory
-            (stacked parameters, gradients, momentum, padded minibatch activations, samples)
-            stays below this many MiB; at least one client per chunk.
-        device: where the computation runs (``"cpu"``, ``"cuda"``, ...).
-        order_tag: keys :func:`~mpifl.clients.minibatches.batch_order` with this tag (None:
-            training's own stream); the trainer of ``run.adapt_epochs`` uses
-            :data:`mpifl.core.rng.ADAPT_TAG`.
-        loss: the :class:`mpifl.models.losses.Loss` of training and evaluation (``[model]
-            loss``; default cross-entropy). Accuracies are NaN for a regression loss.
+            float32 targets for a regression ``options.loss``.
+        options: the local-training options (:class:`~mpifl.clients.interface.TrainOptions`).
 
     Raises:
-        ValueError: inconsistent shapes, a layout not matching the model, buffers in the model,
-            or out-of-range hyper-parameters.
+        ValueError: inconsistent shapes or a layout not matching the model.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        layout: ParamLayout,
-        x: Tensor,
-        y: Tensor,
-        *,
-        epochs: int,
-        batch_size: int,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        seed: int = 0,
-        memory_budget_mb: float = 1024.0,
-        device: str | torch.device = "cpu",
-        prox_mu: float = 0.0,
-        report_accuracy: bool = False,
-        pretrain_losses: bool = True,
-        order_tag: int | None = None,
-        loss: Loss | None = None,
-    ):
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
+                 options: TrainOptions):
         self._check_model(model, layout)
-        self.loss = get_loss("cross_entropy") if loss is None else loss
+        self.options = options
+        self.loss = get_loss("cross_entropy") if options.loss is None else options.loss
         if x.shape[0] != y.shape[0] or (self.loss.classification and y.dim() > 2):
             raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} do not match")
-        if (epochs < 1 or batch_size < 0 or momentum < 0 or weight_decay < 0
-                or memory_budget_mb <= 0 or prox_mu < 0):
-            raise ValueError("need epochs >= 1, batch_size >= 0, momentum >= 0, "
-                             "weight_decay >= 0, prox_mu >= 0 and memory_budget_mb > 0")
-        self.prox_mu = float(prox_mu)
-        self.report_accuracy = bool(report_accuracy)
-        self.pretrain_losses = bool(pretrain_losses)
-        self.columns = self.columns_for(layout.d, report_accuracy=report_accuracy)
+        self.prox_mu = float(options.prox_mu)
+        self.report_accuracy = bool(options.report_accuracy)
+        self.pretrain_losses = bool(options.pretrain_losses)
+        self.columns = self.columns_for(layout.d, report_accuracy=options.report_accuracy)
         self.model, self.layout = model, layout
         self.x, self.y = x, y
-        self.epochs, self.batch_size = int(epochs), int(batch_size)
-        self.momentum, self.weight_decay = float(momentum), float(weight_decay)
-        self.seed = int(seed)
-        self.order_tag = None if order_tag is None else int(order_tag)
-        self.memory_budget = int(memory_budget_mb * 2**20)
-        self.device = torch.device(device)
+        self.epochs, self.batch_size = int(options.epochs), int(options.batch_size)
+        self.momentum, self.weight_decay = float(options.momentum), float(options.weight_decay)
+        self.seed = int(options.seed)
+        self.order_tag = None if options.order_tag is None else int(options.order_tag)
+        self.memory_budget = int(options.memory_budget_mb * 2**20)
+        self.device = torch.device(options.device)
         self._in_numel = math.prod(x.shape[1:])
         self._act_numel = memory.activation_numel(model, tuple(x.shape[1:]), self._x_dtype(x))
-        self._step_grad = vmap(grad(self._minibatch_loss))
-        self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
-        forward = (stacked_forward(model) if self._plain_steps
-                   and self.loss is get_loss("cross_entropy")
-                   and type(self)._minibatch_loss is VmapTrainer._minibatch_loss
-                   and not self._has_extras else None)
-        if forward is not None:  # the plain MLP family: batched matmuls, one backward (faster)
-            self._step_grad = functools.partial(stacked_ce_grad, forward)
-            self._step_grad_value = functools.partial(stacked_ce_grad, forward, with_value=True)
+
+    @abstractmethod
+    def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
+        """Refuse a model this trainer cannot run (ValueError)."""
+
+    @abstractmethod
+    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+               prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`train` plus the training accuracies of w (m,) float64; local SGD starts from
+        ``start`` (m, d) instead of w when given, with the proximal term towards w of
+        coefficient ``prox_mu`` (default: the options')."""
+
+    @abstractmethod
+    def _train_chunk(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                     sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
+                     prox_mu: float | None = None, loss_out: Tensor | None = None) -> Tensor:
+        """Local SGD of a chunk of clients; returns their final parameters ``(m, d)``."""
+
+    @abstractmethod
+    def plan_chunks(self, sizes: np.ndarray) -> list[np.ndarray]:
+        """Clients (by position) in the chunks training takes them in."""
 
     # ------------------------------------------------------------------ public API
-
-    def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
-        """The vmap contract: the layout is the model's parameters, and no buffers."""
-        _check_model(model, layout)
 
     @classmethod
     def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
@@ -198,7 +164,10 @@ class VmapTrainer:
     @torch.no_grad()
     def train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
               sample_idx: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
-        """Run local training for the selected clients of one round.
+        """Run local training for the selected clients of one round: :meth:`run_round`'s
+        updates and losses, for callers with no round inputs, state rows or statistics (tests,
+        benchmarks); the workers call :meth:`run_round`, the
+        :class:`~mpifl.clients.interface.ClientTrainer` entry point.
 
         Args:
             w: ``(d,)`` global parameters.
@@ -219,35 +188,6 @@ class VmapTrainer:
         """
         updates, losses, _ = self._train(w, round, lr, client_ids, sample_idx)
         return updates, losses
-
-    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
-               prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`train` plus the training accuracies of w (m,) float64; local SGD starts from
-        ``start`` (m, d) instead of w when given (Ditto's personal models), with the proximal
-        term towards w of coefficient ``prox_mu`` (default: the trainer's)."""
-        w = self._check_w(w)
-        client_ids, sizes = self._check_clients(client_ids, sample_idx)
-        measure = self.pretrain_losses or self.report_accuracy
-        if measure:  # the forward pass of w over every client's samples, before training
-            losses, acc = self._client_stats(w, sample_idx)
-        else:  # the first epoch's training losses, summed per client by _train_chunk
-            loss_sums = torch.zeros(len(sizes), dtype=torch.float64, device=self.device)
-            acc = torch.full((len(sizes),), math.nan, dtype=torch.float64, device=self.device)
-        updates = torch.empty(len(sizes), self.layout.d, device=self.device)
-        for chunk in self.plan_chunks(sizes):
-            pos = torch.as_tensor(chunk, device=self.device)
-            loss_out = None if measure else torch.zeros(len(chunk), dtype=torch.float64,
-                                                        device=self.device)
-            w_chunk = self._train_chunk(w, round, lr, client_ids[chunk],
-                                        [sample_idx[i] for i in chunk],
-                                        start=None if start is None else start[pos],
-                                        prox_mu=prox_mu, loss_out=loss_out)
-            updates[pos] = w_chunk.neg_().add_(w)  # w - w_k
-            if loss_out is not None:
-                loss_sums[pos] = loss_out
-        if not measure:
-            losses = loss_sums / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
-        return updates, losses.float(), acc
 
     @staticmethod
     def _check_clients(client_ids, sample_idx) -> tuple[np.ndarray, np.ndarray]:
@@ -287,6 +227,13 @@ class VmapTrainer:
         on its samples: :func:`mpifl.clients.evaluation.evaluate_each`."""
         return evaluation.evaluate_each(self, W, sample_idx)
 
+    def evaluate_local(self, w: Tensor, rows: Tensor, sample_idx: Sequence[np.ndarray],
+                       groups: tuple[Tensor, int] | None = None) -> tuple[np.ndarray, ...]:
+        """Each client's accuracy and loss at w with its own local coordinates: only the loop
+        trainer keeps local coordinates (local BatchNorm), this one refuses."""
+        raise ValueError(f"{type(self).__name__} keeps no local coordinates "
+                         "(local BatchNorm trains with client.trainer = 'loop')")
+
     def _client_stats(self, w: Tensor, sample_idx: Sequence[np.ndarray],
                       groups: tuple[Tensor, int] | None = None):
         """Per-client loss and accuracy (n,) float64 of w (and group counts with ``groups``):
@@ -304,6 +251,92 @@ class VmapTrainer:
         """Clients with samples in evaluation chunks that fit the memory budget:
         :func:`mpifl.clients.memory.eval_chunks`."""
         return memory.eval_chunks(sizes, per_client, per_row, self.memory_budget)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _gather(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Samples ``rows`` of the store, moved to the device (only these are moved)."""
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.x.device)
+        return (self.x[idx].to(self.device, self._x_dtype(self.x), non_blocking=True),
+                self.y[idx.to(self.y.device)].to(self.device, non_blocking=True))
+
+    @staticmethod
+    def _x_dtype(x: Tensor) -> torch.dtype:
+        """float32 features (whatever float the store holds), int64 token ids."""
+        return torch.float32 if x.is_floating_point() else torch.int64
+
+    def _check_w(self, w: Tensor) -> Tensor:
+        if w.shape != (self.layout.d,):
+            raise ValueError(f"w must have shape ({self.layout.d},), got {tuple(w.shape)}")
+        return w.detach().to(self.device, torch.float32)
+
+
+
+class VmapTrainer(TrainerBase):
+    """Local SGD for many clients at once, plus batched per-client loss and accuracy.
+
+    Args:
+        model, layout, x, y: as in :class:`TrainerBase`; the model has parameters only, no
+            buffers.
+        options: :class:`~mpifl.clients.interface.TrainOptions`. ``pretrain_losses = False``
+            (rules with ``needs.losses = False``): no forward pass of w before training unless
+            ``report_accuracy`` asks for it; the reported loss is then the training pass's own:
+            the mean over the client's samples of the minibatch loss of the first epoch, each
+            sample's loss taken at the parameters its minibatch's step started from (equal to
+            ``l_k`` for full-batch training, B = 0). Accuracies are NaN for a regression loss.
+
+    Raises:
+        ValueError: inconsistent shapes, a layout not matching the model, or buffers in the
+            model.
+    """
+
+    def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
+                 options: TrainOptions):
+        super().__init__(model, layout, x, y, options)
+        self._step_grad = vmap(grad(self._minibatch_loss))
+        self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
+        forward = (stacked_forward(model) if self._plain_steps
+                   and self.loss is get_loss("cross_entropy")
+                   and type(self)._minibatch_loss is VmapTrainer._minibatch_loss
+                   and not self._has_extras else None)
+        if forward is not None:  # the plain MLP family: batched matmuls, one backward (faster)
+            self._step_grad = functools.partial(stacked_ce_grad, forward)
+            self._step_grad_value = functools.partial(stacked_ce_grad, forward, with_value=True)
+
+    def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
+        """The vmap contract: the layout is the model's parameters, and no buffers."""
+        _check_model(model, layout)
+
+    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+               prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`train` plus the training accuracies of w (m,) float64; local SGD starts from
+        ``start`` (m, d) instead of w when given (Ditto's personal models), with the proximal
+        term towards w of coefficient ``prox_mu`` (default: the trainer's)."""
+        w = self._check_w(w)
+        client_ids, sizes = self._check_clients(client_ids, sample_idx)
+        measure = self.pretrain_losses or self.report_accuracy
+        if measure:  # the forward pass of w over every client's samples, before training
+            losses, acc = self._client_stats(w, sample_idx)
+        else:  # the first epoch's training losses, summed per client by _train_chunk
+            loss_sums = torch.zeros(len(sizes), dtype=torch.float64, device=self.device)
+            acc = torch.full((len(sizes),), math.nan, dtype=torch.float64, device=self.device)
+        updates = torch.empty(len(sizes), self.layout.d, device=self.device)
+        for chunk in self.plan_chunks(sizes):
+            pos = torch.as_tensor(chunk, device=self.device)
+            loss_out = None if measure else torch.zeros(len(chunk), dtype=torch.float64,
+                                                        device=self.device)
+            w_chunk = self._train_chunk(w, round, lr, client_ids[chunk],
+                                        [sample_idx[i] for i in chunk],
+                                        start=None if start is None else start[pos],
+                                        prox_mu=prox_mu, loss_out=loss_out)
+            updates[pos] = w_chunk.neg_().add_(w)  # w - w_k
+            if loss_out is not None:
+                loss_sums[pos] = loss_out
+        if not measure:
+            losses = loss_sums / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
+        return updates, losses.float(), acc
+
+    # ------------------------------------------------------------------ memory plan
 
     def plan_chunks(self, sizes: np.ndarray) -> list[np.ndarray]:
         """Split clients (by position) into chunks whose estimated memory (:meth:`_client_bytes`)
@@ -458,24 +491,6 @@ class VmapTrainer:
         if active is not None:
             step = torch._foreach_mul(step, [active.view(-1, *[1] * (p.dim() - 1)) for p in params])
         torch._foreach_add_(params, step, alpha=-lr)
-
-    # ------------------------------------------------------------------ helpers
-
-    def _gather(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
-        """Samples ``rows`` of the store, moved to the device (only these are moved)."""
-        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.x.device)
-        return (self.x[idx].to(self.device, self._x_dtype(self.x), non_blocking=True),
-                self.y[idx.to(self.y.device)].to(self.device, non_blocking=True))
-
-    @staticmethod
-    def _x_dtype(x: Tensor) -> torch.dtype:
-        """float32 features (whatever float the store holds), int64 token ids."""
-        return torch.float32 if x.is_floating_point() else torch.int64
-
-    def _check_w(self, w: Tensor) -> Tensor:
-        if w.shape != (self.layout.d,):
-            raise ValueError(f"w must have shape ({self.layout.d},), got {tuple(w.shape)}")
-        return w.detach().to(self.device, torch.float32)
 
 
 def _unaliased(grads: list[Tensor]) -> list[Tensor]:

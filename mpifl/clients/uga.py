@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
 from mpifl.clients.minibatches import step_widths
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.layout import ParamLayout
 
@@ -71,15 +72,14 @@ class UGATrainer(VmapTrainer):
     interface.
 
     Args:
-        model, layout, x, y, batch_size, momentum, weight_decay, seed, memory_budget_mb, device:
-            as in :class:`~mpifl.clients.VmapTrainer` (the minibatch order of the traced epochs
-            is VmapTrainer's, keyed by ``batch_order(seed, round, client_id, epoch, n)``).
-        epochs: E >= 1 local epochs of the round; the first ``E-1`` are traced, then the
-            gradient is evaluated on the whole training split (UGA's "gradient evaluation"
-            replaces the last epoch).
+        model, layout, x, y, options: as in :class:`~mpifl.clients.VmapTrainer` (the minibatch
+            order of the traced epochs is VmapTrainer's, keyed by ``batch_order(seed, round,
+            client_id, epoch, n)``). ``options.epochs``: E >= 1 local epochs of the round; the
+            first ``E-1`` are traced, then the gradient is evaluated on the whole training split
+            (UGA's "gradient evaluation" replaces the last epoch). FedProx's ``prox_mu`` must be
+            0 (UGA has none).
         max_traced_clients: at most this many clients are traced at once (None: only the memory
             budget decides; at least one client per chunk always).
-        **kw: further VmapTrainer options; FedProx's ``prox_mu`` must be 0 (UGA has none).
 
     Raises:
         ValueError: as VmapTrainer; ``max_traced_clients < 1``; a non-zero ``prox_mu``.
@@ -96,31 +96,22 @@ class UGATrainer(VmapTrainer):
         layout: ParamLayout,
         x: Tensor,
         y: Tensor,
+        options: TrainOptions,
         *,
-        epochs: int,
-        batch_size: int,
-        momentum: float = 0.0,
-        weight_decay: float = 0.0,
-        seed: int = 0,
-        memory_budget_mb: float = 1024.0,
-        device: str | torch.device = "cpu",
         max_traced_clients: int | None = None,
-        **kw,
     ):
-        if kw.get("prox_mu", 0.0):
+        if options.prox_mu:
             raise ValueError("UGA's local training has no proximal term (prox_mu must be 0)")
         if max_traced_clients is not None and int(max_traced_clients) < 1:
             raise ValueError(f"max_traced_clients must be >= 1 or None, got {max_traced_clients}")
-        super().__init__(model, layout, x, y, epochs=epochs, batch_size=batch_size,
-                         momentum=momentum, weight_decay=weight_decay, seed=seed,
-                         memory_budget_mb=memory_budget_mb, device=device, **kw)
+        super().__init__(model, layout, x, y, options)
         self.max_traced_clients = None if max_traced_clients is None else int(max_traced_clients)
         self.traced_epochs = self.epochs - 1
         # The first E-1 epochs of E are exactly the epochs of an (E-1)-epoch schedule: the
         # minibatch order is keyed by the epoch index and the steps per epoch depend on n only.
-        self._tracer = (VmapTrainer(model, layout, x, y, epochs=self.traced_epochs,
-                                    batch_size=batch_size, seed=seed, device=device)
-                        if self.traced_epochs else None)
+        self._tracer = (VmapTrainer(model, layout, x, y, TrainOptions(
+            epochs=self.traced_epochs, batch_size=options.batch_size, seed=options.seed,
+            device=options.device)) if self.traced_epochs else None)
         self._sum_grad = vmap(grad(self._block_loss_sum))
 
     # ------------------------------------------------------------------ public API

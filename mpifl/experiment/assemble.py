@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from mpifl import aggregators
-from mpifl.clients import VmapTrainer
+from mpifl.clients import TrainerBase, VmapTrainer
+from mpifl.clients.interface import ClientTrainer, TrainOptions
 from mpifl.clients.blamed import Blamed
 from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
@@ -128,7 +129,7 @@ def trainer_path(plan: Plan, parts: Parts, device: torch.device) -> tuple[str, s
                           plan.rule)
 
 
-def _trainer_class(plan: Plan, parts: Parts, loop: bool) -> tuple[type, dict]:
+def _trainer_class(plan: Plan, parts: Parts, loop: bool) -> tuple[type[TrainerBase], dict]:
     """The trainer class and its options: the rule's, or the loop (which alone keeps local
     coordinates: models with local BatchNorm)."""
     cls, options = plan.trainer.cls, dict(plan.trainer.options)
@@ -146,7 +147,7 @@ def trainer_columns(plan: Plan, parts: Parts):
     return cls.columns_for(parts.layout.d, parts.num_groups, **options)
 
 
-def make_trainer(plan: Plan, parts: Parts, device: torch.device):
+def make_trainer(plan: Plan, parts: Parts, device: torch.device) -> ClientTrainer:
     """The run's trainer on this rank (:mod:`mpifl.clients`), its failures named by the model
     and loss they come from, with ``faults.nan_clients`` injected."""
     cls, options = _trainer_class(plan, parts, trainer_path(plan, parts, device)[0] == "loop")
@@ -154,8 +155,9 @@ def make_trainer(plan: Plan, parts: Parts, device: torch.device):
     x, y = sample_store(parts.fed, device)
     if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
         options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
-    trainer = Blamed(cls(parts.model, parts.layout, x, y, device=device, **options),
-                     plugin_parts(plan, parts))
+    train_options, own = TrainOptions.split({**options, "device": device})
+    inner: ClientTrainer = cls(parts.model, parts.layout, x, y, train_options, **own)
+    trainer = Blamed(inner, plugin_parts(plan, parts))
     nan = plan.trainer.nan_clients
     return NaNClients(trainer, list(nan)) if nan else trainer
 
@@ -190,8 +192,8 @@ def plugin_parts(plan: Plan, parts: Parts) -> list[tuple[str, str, object]]:
             ("loss", plan.model.loss, parts.loss)]
 
 
-def make_adapter(plan: Plan, parts: Parts, device: torch.device, trainer=None
-                 ) -> VmapTrainer | None:
+def make_adapter(plan: Plan, parts: Parts, device: torch.device,
+                 trainer: ClientTrainer | None = None) -> ClientTrainer | None:
     """The trainer of evaluation after local adaptation, or None when ``run.adapt_epochs`` is 0.
 
     The client section's plain local SGD (``client.batch_size``, ``momentum``, ``weight_decay``,
@@ -202,18 +204,13 @@ def make_adapter(plan: Plan, parts: Parts, device: torch.device, trainer=None
     a = plan.adapt
     if a is None:
         return None
-    inner = getattr(trainer, "trainer", trainer)  # NaNClients wraps the run's trainer
-    x = getattr(inner, "x", None)
-    y = getattr(inner, "y", None)
-    if x is None or y is None:
-        x, y = sample_store(parts.fed, device)
+    x, y = (trainer.x, trainer.y) if trainer is not None else sample_store(parts.fed, device)
     cls = LoopTrainer if trainer_path(plan, parts, device)[0] == "loop" else VmapTrainer
-    return Blamed(cls(parts.model, parts.layout, x, y, epochs=a.epochs,
-                      batch_size=a.batch_size, momentum=a.momentum,
-                      weight_decay=a.weight_decay, seed=plan.seed,
-                      memory_budget_mb=a.memory_budget_mb, device=device,
-                      pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss),
-                  plugin_parts(plan, parts))
+    options = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, momentum=a.momentum,
+                           weight_decay=a.weight_decay, seed=plan.seed,
+                           memory_budget_mb=a.memory_budget_mb, device=device,
+                           pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss)
+    return Blamed(cls(parts.model, parts.layout, x, y, options), plugin_parts(plan, parts))
 
 
 def make_aggregator(plan: Plan, parts: Parts):

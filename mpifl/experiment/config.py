@@ -29,6 +29,7 @@ from pydantic_core import PydanticCustomError
 
 from mpifl import aggregators
 from mpifl.clients import TRAINERS
+from mpifl.clients.interface import trainer_keywords
 from mpifl.core.errors import ConfigError
 from mpifl.core.params import Params
 from mpifl.clients.system import SystemParams
@@ -581,12 +582,10 @@ def _describe(exc: ValidationError, prefix: tuple = ()) -> str:
 
 def _check_client_options(cfg: Config) -> None:
     """Refuse, before any work, a rule whose client-side training mpifl's trainer lacks."""
-    import inspect
-
     name = cfg.server.algorithm
     rule = aggregators.rule(name)
     options = rule.client_options(cfg.rule_params())
-    missing = sorted(set(options) - set(inspect.signature(TRAINERS[rule.needs.trainer]).parameters))
+    missing = sorted(set(options) - trainer_keywords(TRAINERS[rule.needs.trainer]))
     if missing:
         raise ConfigError(
             f"server.algorithm: '{name}' needs local training that mpifl's trainer does not have "

@@ -1,7 +1,7 @@
 """How the server reaches its clients: in this process (world size 1) or on MPI worker ranks.
 
-Both backends give the server loop the same calls (train, losses, evaluate, stop), so
-:mod:`mpifl.runtime.server` does not know where clients run. Timings, byte counts and peak memory come
+Both backends give the server loop the same calls (:class:`ClientBackend`: train, losses,
+evaluate, stop), so :mod:`mpifl.runtime.server` does not know where clients run. Timings, byte counts and peak memory come
 back with the results for /rounds.
 """
 
@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from mpifl.clients.interface import ClientTrainer
 from mpifl.runtime.comm import (peak_rss_bytes, rank_counts, release_free_memory,
                                 split_by_samples)
 from mpifl.runtime.protocol import EvalReply, MPITransport
@@ -228,17 +230,46 @@ def stats_rows(columns, stats: dict[str, torch.Tensor], m: int) -> torch.Tensor:
     return torch.cat(parts, dim=1) if parts else torch.empty(m, 0)
 
 
+class ClientBackend(Protocol):
+    """The calls the server loop makes on its clients, wherever they run: :class:`LocalClients`
+    (this process) and :class:`RemoteClients` (MPI worker ranks) implement it."""
+
+    def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
+              inputs: np.ndarray | None = None, state: torch.Tensor | None = None,
+              phase: Callable[[str], None] | None = None) -> TrainResult:
+        """The round's training of the clients ``client_ids`` from ``w``."""
+        ...
+
+    def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(m,) float32 mean training losses of the clients at ``w``, and bytes moved."""
+        ...
+
+    def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
+                 adapt: tuple[int, float] | None = None,
+                 local: torch.Tensor | None = None, ids: np.ndarray | None = None,
+                 window: int | None = None, on_progress: OnProgress | None = None
+                 ) -> EvalReply:
+        """The clients' evaluation at ``w`` (:meth:`LocalClients.evaluate`)."""
+        ...
+
+    def stop(self, code: int = 0) -> None:
+        """End the clients' service (the workers' loop) with ``code``."""
+        ...
+
+
 class LocalClients:
     """World size 1: the server trains and evaluates the clients itself.
 
     Args:
-        trainer: a :class:`mpifl.clients.VmapTrainer` over the whole sample store.
+        trainer: the run's :class:`~mpifl.clients.interface.ClientTrainer` over the whole
+            sample store.
         fed: the federated data (CSR client index).
         adapter: the trainer of evaluation after local adaptation, or None (``run.adapt_epochs``
             = 0; see :func:`mpifl.experiment.assemble.make_adapter`).
     """
 
-    def __init__(self, trainer, fed, device: torch.device, adapter=None):
+    def __init__(self, trainer: ClientTrainer, fed, device: torch.device,
+                 adapter: ClientTrainer | None = None):
         self.trainer, self.fed, self.adapter = trainer, fed, adapter
         self.groups = group_setup(fed, device)
 

@@ -28,8 +28,9 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
 
     Args:
         transport: the worker end of the protocol.
-        trainer: a :class:`mpifl.clients.VmapTrainer` over the whole sample store (of a lazy
-            population: an empty one, each request's window staged in it).
+        trainer: the run's :class:`~mpifl.clients.interface.ClientTrainer` over the whole
+            sample store (of a lazy population: an empty one, each request's window staged in
+            it).
         fed: the federated data or lazy population (every rank builds the same one from the
             same seed).
         device: where this rank trains.
