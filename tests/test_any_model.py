@@ -439,6 +439,7 @@ def test_regression_with_mse_under_mpi_summarises_losses(tmp_path):
         assert np.array_equal(c[key], b[key], equal_nan=True), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change,message", [
     ('loss = "mse"', "model.loss: 'mse' needs float targets"),
     ('loss = "bce"', "model.loss: 'bce' is a two-class loss"),

@@ -101,6 +101,7 @@ def test_the_callers_signal_handlers_come_back(job, tmp_path):
         signal.signal(signal.SIGTERM, previous)
 
 
+@pytest.mark.slow
 def test_the_readmes_example_runs(tmp_path):
     """The "From Python" block of docs/guides/running.md, as a newcomer would paste it (20 rounds
     of the main job)."""

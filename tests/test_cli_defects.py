@@ -44,6 +44,7 @@ def test_a_closed_pipe_ends_quietly():
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.slow
 def test_sweep_report_without_matplotlib(tmp_path):
     # a finished sweep folder: the tiny one of mpifl run --seeds, then report with matplotlib gone
     job = tmp_path / "job.toml"
@@ -70,6 +71,7 @@ def job(tmp_path_factory) -> Path:
         partition='partition = "shards"', algorithm="fedfv"))
 
 
+@pytest.mark.slow
 def test_seeds_runs_one_sweep_run_per_seed(job, tmp_path, capsys):
     out = tmp_path / "seeds"
     sets = ["--set", "server.algorithm=fedavg", "--set", "client.lr=0.05"]

@@ -21,6 +21,8 @@ import pytest
 
 from tests.helpers import small_fmnist_job, write_fmnist_job
 
+pytestmark = pytest.mark.slow  # whole runs in every module fixture: left out of make check
+
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 GOOD, BAD = "runs/fedavg_seed0.h5", "runs/fedavg_seed1.h5"
 

@@ -216,6 +216,7 @@ def _probe_outside(out, y):  # blame() names only code outside mpifl: this test 
 # --------------------------------------------------------------------------- whole runs
 
 
+@pytest.mark.slow
 def test_runs_record_it_use_it_and_equal_each_other_on_the_cpu(tmp_path):
     job = _job(tmp_path, "det_probe")
     exact, fast = tmp_path / "exact.h5", tmp_path / "fast.h5"
@@ -234,6 +235,7 @@ def test_runs_record_it_use_it_and_equal_each_other_on_the_cpu(tmp_path):
         assert np.array_equal(a[name], b[name], equal_nan=floats), name
 
 
+@pytest.mark.slow
 def test_resume_may_change_it(tmp_path):
     job = _job(tmp_path, "det_probe")
     out = tmp_path / "r.h5"

@@ -147,6 +147,7 @@ def test_ping_of_a_stopped_controller_is_quick(tmp_path, monkeypatch):
     assert time.monotonic() - start < 3.0  # connection refused: no 10 s timeout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(NO_CONTROLLER))
 def test_auto_runs_here_without_a_controller_and_says_why(tmp_path, case):
     env = no_controller_env(case, tmp_path)

@@ -25,6 +25,8 @@ from mpifl.store import checkpoint
 from mpifl.store.results import read_results
 from tests.helpers import kill_tree, small_fmnist_job, write_fmnist_job
 
+pytestmark = pytest.mark.slow  # whole runs in every module fixture: left out of make check
+
 SEED = 19
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 ROUNDS = 8
@@ -192,7 +194,6 @@ def test_concurrent_starts_leave_one_writer(job, reference, tmp_path):
     assert not out.with_name(out.name + ".lock").exists()
 
 
-@pytest.mark.mpi
 def test_counts(capsys):
     """Print what was injected (last in this module) and check that every case was seen."""
     line = f"fault injection (seed {SEED}): " + ", ".join(f"{k} {v}" for k, v in

@@ -139,6 +139,7 @@ def test_a_disk_full_at_start_fails_in_one_line_naming_the_path(job, tmpfs, leav
     assert sorted(p.name for p in mnt.iterdir()) == before  # nothing left behind
 
 
+@pytest.mark.slow
 def test_a_logger_that_cannot_write_is_switched_off_and_the_run_goes_on(job, tmpfs, tmp_path):
     """TensorBoard's folder on a full disk (a symbolic link), the results on a good one."""
     pytest.importorskip("tensorboard")

@@ -148,6 +148,7 @@ def _traced(num_clients: int) -> tuple[int, int]:
     return held, peak
 
 
+@pytest.mark.slow
 def test_memory_grows_by_a_few_bytes_a_client():
     """Measured slopes, not timings: the arrays held (K = 1e4, 1e5, 1e6) and, traced by
     tracemalloc (20x slower, so smaller K), everything held and the peak while building.

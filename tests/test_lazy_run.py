@@ -107,6 +107,7 @@ def test_a_lazy_run_equals_the_eager_run(tmp_path, ranks, algorithm):
     assert acc.shape == (3, 60) and np.isfinite(acc).all()
 
 
+@pytest.mark.slow
 def test_personal_models_adaptation_and_sampled_evaluation_draw_their_clients(tmp_path):
     # Ditto's personal models, evaluation after local adaptation (the adapter's store is
     # staged too), a sampled evaluation with a full one at round 2 and at the end
@@ -200,6 +201,7 @@ def _peak_mb(tmp: Path, k: int) -> float:
     return int(proc.stderr.rsplit("peak_kb=", 1)[1].split()[0]) / 1024
 
 
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_population_beyond_small_vectors(tmp_path):
     ks = [20_000, 200_000, 400_000]
     peaks = [_peak_mb(tmp_path, k) for k in ks]
@@ -219,6 +221,7 @@ def mlp_bn(input_shape, num_classes, **kw):
 '''
 
 
+@pytest.mark.slow
 def test_the_loop_trainer_with_local_batchnorm_and_dropout_draws_its_clients(tmp_path):
     # the per-client loop (a model with buffers and random layers), each client's BatchNorm
     # statistics kept locally: the same staged store, the same bits

@@ -27,6 +27,8 @@ from mpifl.core.errors import EXIT_BAD_INPUT, EXIT_CHECK_NOT_RUN
 from mpifl.experiment.config import load_config, parse_override
 from tests.helpers import small_fmnist_job, write_fmnist_job
 
+pytestmark = pytest.mark.slow  # whole runs in every module fixture: left out of make check
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PARTS = '''

@@ -289,6 +289,7 @@ def test_sweep_of_only_a_plugin_rule_expands(outside, tmp_path):
     assert "4 runs: 4 new" in res.stdout and "not implemented" not in res.stdout
 
 
+@pytest.mark.slow
 def test_example_sweeps_and_benchmarks(outside, tmp_path):
     small = (outside / "sweep.toml").read_text().replace('"run.seed" = [0, 1]', '"run.seed" = [0]')
     small = small.replace('"trimmed_mean.trim" = [0.1, 0.2]', '"trimmed_mean.trim" = [0.1]')

@@ -217,6 +217,7 @@ def test_a_full_disk_under_mpi_ends_every_rank_with_one_line(job, tmpfs):
 
 # -- 3. nothing truncated before the resume point is known -------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["missing", "a_file"])
 def test_resume_without_a_checkpoint_refuses_and_keeps_the_results(finished, job, tmp_path, how):
     run = copy_run(finished, tmp_path)
@@ -234,6 +235,7 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_results(finished, job
         assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_run_is_refused(finished, job, tmp_path):
     other = tmp_path / "other.h5"
     mpifl(1, "run", job, "--out", other, "--set", "run.seed=9", "--set", "run.rounds=2")
@@ -279,6 +281,7 @@ def test_a_failed_results_write_on_a_full_disk_keeps_the_previous_file(tmpfs):
     assert not [p for p in mnt.iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.slow
 def test_a_failed_final_write_keeps_the_model_recoverable(job, tmpfs):
     """The final checkpoint fits, the results with the model do not: one line, status 2, and
     after space is freed the run resumes to the same model as a run left alone."""

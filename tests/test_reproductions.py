@@ -22,6 +22,8 @@ from mpifl.sweep.reproduce import FIGURES, suite_files
 from mpifl.sweep.spec import load_sweep
 from tests.helpers import small_fmnist_job, write_fmnist_job
 
+pytestmark = pytest.mark.slow  # whole runs in every module fixture: left out of make check
+
 ROOT = Path(__file__).resolve().parents[1]
 REPRO = ROOT / "jobs" / "repro"
 

@@ -192,6 +192,7 @@ def test_nan_clients_are_rejected_and_counted(job, tmp_path):
     assert list(rejected) == expected
 
 
+@pytest.mark.slow
 def test_a_round_where_every_update_is_rejected_leaves_the_model(job, tmp_path):
     out = tmp_path / "allnan.h5"
     ids = list(range(16))
@@ -240,6 +241,7 @@ def test_a_killed_worker_rank_ends_the_job_quickly(job, tmp_path):
     assert checkpoint.load_latest(ckpt).round >= 2
 
 
+@pytest.mark.slow
 def test_truncated_results_file_report_errors_and_resume_rebuilds_it(job, tmp_path):
     full, out = tmp_path / "full.h5", tmp_path / "cut.h5"
     run(1, "run", str(job), "--out", str(full), "--set", "run.rounds=6")
@@ -253,6 +255,7 @@ def test_truncated_results_file_report_errors_and_resume_rebuilds_it(job, tmp_pa
     assert_same(out, full)
 
 
+@pytest.mark.slow
 def test_resume_of_a_foreign_or_missing_run_is_a_clear_error(tmp_path):
     foreign = tmp_path / "foreign.h5"
     with h5py.File(foreign, "w") as f:

@@ -57,6 +57,7 @@ def test_a_rule_that_forgets_its_state_is_named_in_one_line(tmp_path):
                                "(state: center;")
 
 
+@pytest.mark.slow
 def test_check_cli_refuses_unknown_rules_and_bad_settings(tmp_path):
     proc = _check(tmp_path, "no_such_rule")
     assert proc.returncode == 2 and "check: " in proc.stderr and "Traceback" not in proc.stderr

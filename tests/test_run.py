@@ -120,6 +120,7 @@ def test_report_prints_runs_side_by_side(runs, capsys):
     assert "client 0 (%)" not in out  # K = 12 > 10: no per-client rows
 
 
+@pytest.mark.slow
 def test_fedavg_override_runs_in_one_process(tmp_path):
     out = tmp_path / "fedavg.h5"
     run_mpifl(1, ROOT / "jobs" / "fedfv-fmnist3.toml", out,

@@ -62,6 +62,7 @@ def test_help_says_what_a_number_means():
     assert "N runs N seeds 0..N-1 (3: seeds 0, 1, 2)" in text and "5, with its comma" in text
 
 
+@pytest.mark.slow
 def test_a_folder_reports_the_seeds_asked_for_now(tmp_path, capsys):
     (tmp_path / "job.toml").write_text(JOB)
     job, out = str(tmp_path / "job.toml"), tmp_path / "seeds"

@@ -127,6 +127,7 @@ def test_fedadam_on_fedfv_under_mpi_equals_one_process_and_resumes_exactly(adam_
         assert np.array_equal(got[key], b[key], equal_nan=True), key
 
 
+@pytest.mark.slow
 def test_bad_server_optimizer_settings_are_one_line(adam_job, tmp_path):
     from tests.test_resume import run
 

@@ -27,6 +27,8 @@ from mpifl.sweep.plan import check, grid_points, results_path, select
 from mpifl.sweep.spec import load_sweep
 from tests.helpers import mpiexec
 
+pytestmark = pytest.mark.slow  # whole runs in every module fixture: left out of make check
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 

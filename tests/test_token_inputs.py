@@ -238,6 +238,7 @@ def test_char_lstm_plugin_trains_on_three_ranks_and_resumes_exactly(outside, tmp
     assert acc[-1] > 3 / 12  # it learns the chains (chance: 1/12)
 
 
+@pytest.mark.slow
 def test_sequence_targets_train_vmap_equal_to_the_loop(outside, tmp_path):
     common = ["--set", "data.dataset=toy_sequences", "--set", "model.name=toy_transformer",
               "--set", "model.loss=token_cross_entropy",
