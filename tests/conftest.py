@@ -62,19 +62,20 @@ def _guarded(item) -> bool:
     return not any(item.get_closest_marker(tier) for tier in TIERS)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
+def _phase(item):
+    """One guarded phase of ``item`` (a hook wrapper's body)."""
     if _guarded(item):
         with _Guard(item.nodeid):
             yield
     else:
         yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _phase(item)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    if _guarded(item):
-        with _Guard(item.nodeid):
-            yield
-    else:
-        yield
+    yield from _phase(item)
