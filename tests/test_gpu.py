@@ -275,6 +275,7 @@ def resnet_one_rank(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [3, 5])  # 5: four workers share the one GPU
 def test_runs_on_any_number_of_ranks_are_bit_identical(resnet_one_rank, tmp_path, ranks):
     out = tmp_path / f"ranks{ranks}.h5"
@@ -282,6 +283,7 @@ def test_runs_on_any_number_of_ranks_are_bit_identical(resnet_one_rank, tmp_path
     _assert_same(out, resnet_one_rank)
 
 
+@pytest.mark.mpi
 def test_a_killed_run_resumes_bit_identically(resnet_one_rank, tmp_path):
     """SIGKILL every process of a 3-rank run once its first checkpoint exists, then resume."""
     out = tmp_path / "killed.h5"
