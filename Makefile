@@ -39,7 +39,8 @@ lint:
 types:
 	$(PYTHON) -m mypy
 
-# in-process tests on every core (pytest-xdist); tests marked mpi, slurm or slow are left out
+# in-process tests on every core (pytest-xdist; --dist loadfile keeps a module on one worker, so
+# its module fixtures are built once); tests marked mpi, slurm or slow are left out
 unit:
 	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm and not slow"
 
