@@ -166,6 +166,7 @@ def one_class_per_client(labels: np.ndarray, num_clients: int, rng: np.random.Ge
     if bad:
         raise DataError(f"one_class_per_client: classes {bad} are not in "
                         f"0..{pool.num_classes - 1}")
+    assert pool.raw is not None, "needs=(RAW,): the data set's pool has its raw images"
     parts = P.one_class_per_client(labels, num_clients, classes)
     x = _standardise_pixels(pool.raw[np.concatenate(parts)])
     y = np.repeat(np.arange(len(parts), dtype=np.int64), [len(p) for p in parts])
@@ -191,6 +192,7 @@ def _standardise_pixels(raw: np.ndarray) -> np.ndarray:
 def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
             pool: DataPool) -> list[np.ndarray]:
     """The data set's own clients (:func:`mpifl.data.partition.natural`)."""
+    assert pool.client_sizes is not None, "needs=(CLIENTS,): the data set's pool has its clients"
     return P.natural(pool.client_sizes)
 
 

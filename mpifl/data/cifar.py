@@ -10,7 +10,9 @@ rebuild arrays, so a crafted file cannot call ``os.system`` or anything else.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +34,7 @@ def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin1")
 
 
-_ALLOWED = {
+_ALLOWED: dict[tuple[str, str], Callable[..., object]] = {
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): np.dtype,
     ("_codecs", "encode"): _latin1_encode,
@@ -40,13 +42,16 @@ _ALLOWED = {
 for _mod in ("numpy.core", "numpy._core"):
     _ALLOWED[(f"{_mod}.multiarray", "_reconstruct")] = _multiarray._reconstruct
     _ALLOWED[(f"{_mod}.multiarray", "scalar")] = _multiarray.scalar
-    _ALLOWED[(f"{_mod}.numeric", "_frombuffer")] = _numeric._frombuffer
+    # private, so numpy's stubs omit it
+    _ALLOWED[(f"{_mod}.numeric", "_frombuffer")] = \
+        _numeric._frombuffer  # type: ignore[attr-defined]
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
     """Unpickler whose globals are limited to numpy's array-rebuilding functions."""
 
-    def find_class(self, module: str, name: str):  # noqa: D102 - see class docstring
+    def find_class(self, module: str,
+                   name: str) -> Callable[..., object]:  # noqa: D102 - see class docstring
         try:
             return _ALLOWED[(module, name)]
         except KeyError:
@@ -55,7 +60,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
             ) from None
 
 
-def _get(batch: dict, key: str):
+def _get(batch: dict[Any, Any], key: str) -> Any:
     """``batch[key]`` whether the keys are str (latin1 load) or bytes (protocol >= 3)."""
     for k in (key, key.encode()):
         if k in batch:
@@ -99,7 +104,8 @@ def read_cifar_batch(path: str | Path, label_key: str) -> tuple[np.ndarray, np.n
     return data.reshape(-1, 3, 32, 32), y
 
 
-def _load(folder: Path, files: tuple[str, ...], label_key: str):
+def _load(folder: Path, files: tuple[str, ...], label_key: str
+          ) -> tuple[np.ndarray, np.ndarray]:
     parts = [read_cifar_batch(folder / f, label_key) for f in files]
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from mpifl.core.errors import DataError
+from mpifl.core.params import Params
 from mpifl.core.registry import Registry
 from mpifl.data.registry import (CLIENTS, DATASET_LOADERS, LABELS, PARTITIONERS, RAW, SENSITIVE,
                                  TAGS, DataPool, lazy_factory, params_class)
@@ -29,6 +30,16 @@ PLUGIN_LEGACY = ("classes_per_client", "dirichlet_alpha")
 #: The nested tables of ``[data]`` and the registry whose entry reads each.
 TABLES = {"params": DATASET_LOADERS, "partition_params": PARTITIONERS}
 
+#: a validation error's location: field names and list indices
+Loc = tuple[int | str, ...]
+
+
+@runtime_checkable
+class _ChecksClients(Protocol):
+    """A partition's Params that checks its values against K (``check_clients``)."""
+
+    def check_clients(self, num_clients: int) -> None: ...
+
 
 class IncompatibleData(DataError):
     """A data set, partition and parameters that do not go together; ``key`` is the config key
@@ -39,7 +50,8 @@ class IncompatibleData(DataError):
         self.key = key
 
 
-def lookup(registry: Registry, name: Any) -> Any:
+def lookup(registry: Registry[Callable[..., Any]], name: Any
+           ) -> Callable[..., Any] | None:
     """The entry registered as ``name`` (or at that import path), None if there is none (the
     config's name check says why)."""
     try:
@@ -67,8 +79,8 @@ def lazy_datasets() -> list[str]:
 
 # --------------------------------------------------------------------------- parameters
 
-def resolve_params(registry: Registry, name: str, params: Mapping[str, Any] | None
-                   ) -> dict[str, Any]:
+def resolve_params(registry: Registry[Callable[..., Any]], name: str,
+                   params: Mapping[str, Any] | None) -> dict[str, Any]:
     """``params`` validated by entry ``name``'s Params, defaults filled in, as plain values (the
     loader's or partition's keyword arguments, and the config's stored form); unchanged for an
     entry without Params.
@@ -93,7 +105,7 @@ def describe_params(exc: ValidationError, table: str) -> str:
     return f"{key}: {err['msg'][0].lower()}{err['msg'][1:]} (got {err.get('input')!r})"
 
 
-def _relocated(exc: ValidationError, where: Callable[[tuple], tuple]) -> ValidationError:
+def _relocated(exc: ValidationError, where: Callable[[Loc], Loc]) -> ValidationError:
     """``exc`` with every location mapped by ``where`` (pydantic prefixes the section's)."""
     return ValidationError.from_exception_data(exc.title, [InitErrorDetails(
         type=PydanticCustomError(e["type"], "{msg}", {"msg": e["msg"]}), loc=where(e["loc"]),
@@ -107,7 +119,7 @@ def _conflict(flat: str, value: Any, table: str, field: str, nested: Any) -> Val
         input=value)])
 
 
-def legacy_keys(registry: Registry, entry: Any) -> dict[str, str]:
+def legacy_keys(registry: Registry[Callable[..., Any]], entry: Any) -> dict[str, str]:
     """The old flat ``[data]`` keys an entry replaces: ``{flat key: its parameter}`` (its
     Params' ``legacy``; for a partition plugin without Params, the old keys it names, which it
     was given before)."""
@@ -123,18 +135,20 @@ def legacy_keys(registry: Registry, entry: Any) -> dict[str, str]:
     return {k: k for k in PLUGIN_LEGACY if k in names}
 
 
-def _flat_schema() -> dict[str, tuple[type, str]]:
+def _flat_schema() -> dict[str, tuple[type[Params], str]]:
     """Every old flat key: the Params and field that validate its value (its built-in entry)."""
-    out: dict[str, tuple[type, str]] = {}
+    out: dict[str, tuple[type[Params], str]] = {}
     for registry in TABLES.values():
         for name in registry.available():
             cls = params_class(lookup(registry, name))
-            for flat, field in (getattr(cls, "legacy", {}) if cls else {}).items():
+            if cls is None:
+                continue
+            for flat, field in getattr(cls, "legacy", {}).items():
                 out.setdefault(flat, (cls, field))
     return out
 
 
-def _flat_value(flat: str, value: Any, schema: dict[str, tuple[type, str]]) -> Any:
+def _flat_value(flat: str, value: Any, schema: dict[str, tuple[type[Params], str]]) -> Any:
     """``value`` of old key ``flat``, validated by the field it stands for."""
     cls, field = schema[flat]
     try:
@@ -184,8 +198,13 @@ def nest_params(table: Mapping[str, Any], dataset: Any, partition: Any) -> dict[
         try:
             out[key] = resolve_params(registry, names[key], merged)
         except ValidationError as exc:
-            raise _relocated(exc, lambda loc, key=key: (key, *loc)) from None
+            raise _relocated(exc, _under(key)) from None
     return out
+
+
+def _under(key: str) -> Callable[[Loc], Loc]:
+    """Locations inside table ``key``."""
+    return lambda loc: (key, *loc)
 
 
 # --------------------------------------------------------------------------- combinations
@@ -212,7 +231,7 @@ def _refusal(tag: str, dataset: str, partition: str) -> str:
 
 
 def _check_tags(dataset: str, partition: str, offers: frozenset[str] | None) -> None:
-    needs = getattr(lookup(PARTITIONERS, partition), "needs", frozenset())
+    needs: frozenset[str] = getattr(lookup(PARTITIONERS, partition), "needs", frozenset())
     if offers is None:
         return
     if (CLIENTS in offers) != (CLIENTS in needs):
@@ -234,8 +253,7 @@ def check_combination(dataset: str, partition: str, partition_params: Mapping[st
     """
     _check_tags(dataset, partition, provided(dataset))
     cls = params_class(lookup(PARTITIONERS, partition))
-    check = getattr(cls, "check_clients", None)
-    if check is not None:
+    if cls is not None and issubclass(cls, _ChecksClients):
         cls.model_validate(dict(partition_params)).check_clients(num_clients)
 
 

@@ -15,7 +15,7 @@ result.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from mpifl.core.blame import blame
 from mpifl.core.errors import DataError
+from mpifl.core.registry import Registry
 from mpifl.core.rng import PARTITION_TAG, SPLIT_TAG
 from mpifl.data.builtin import DATASETS, PARTITIONS
 from mpifl.data.compat import (check_combination, check_pool, describe_params, lookup,
@@ -246,13 +247,14 @@ def _check_args(dataset: str, partition: str, num_clients: int, seed: int,
         raise DataError(f"train_fraction must be in (0, 1), got {train_fraction}")
 
 
-def _registered(registry, name: str, kind: str) -> None:
+def _registered(registry: Registry[Callable[..., Any]], name: str, kind: str) -> None:
     """DataError naming the known ones unless ``name`` is registered (or an importable path)."""
     if lookup(registry, name) is None:
         raise DataError(f"unknown {kind} '{name}' (known: {', '.join(registry.available())})")
 
 
-def _params(registry, name: str, params: Mapping[str, Any] | None, table: str) -> dict[str, Any]:
+def _params(registry: Registry[Callable[..., Any]], name: str, params: Mapping[str, Any] | None,
+            table: str) -> dict[str, Any]:
     try:
         return resolve_params(registry, name, params)
     except ValidationError as exc:

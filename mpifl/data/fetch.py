@@ -20,6 +20,7 @@ import tarfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Protocol
 
 from mpifl.core.errors import DataError
 # the image sets declare their files and sources in their own module (IMAGES), the tabular
@@ -40,7 +41,15 @@ TABULAR_SOURCES: dict[str, Source] = {
 FETCHABLE = tuple(SOURCES) + tuple(TABULAR_SOURCES)
 
 
-def _hasher(algorithm: str):
+class _Hash(Protocol):
+    """What the downloads use of a :mod:`hashlib` object."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def _hasher(algorithm: str) -> _Hash:
     return hashlib.new(algorithm, usedforsecurity=False)
 
 

@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
 
 from mpifl.core.errors import DataError
-from mpifl.data.tff import ClientIndex, Convert, H5Part, write_rows, feature, open_h5, rows_of
+from mpifl.data.tff import (ClientIndex, Clients, Convert, H5Part, write_rows, feature, open_h5,
+                            rows_of)
 
 __all__ = ["FLAIR_FILE", "flair", "label_count"]
 
@@ -48,7 +50,8 @@ def label_count(path: Path, fine_grained: bool) -> int:
     key = "/metadata/fine_grained_label_mapping" if fine_grained else "/metadata/label_mapping"
     with open_h5(path) as f:
         d = f.get(key)
-        raw = d[()] if isinstance(d, h5py.Dataset) else None
+        # whatever the file holds: json.loads refuses all but a string (TypeError)
+        raw: Any = d[()] if isinstance(d, h5py.Dataset) else None
     try:
         mapping = json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
         ok = isinstance(mapping, dict) and len(mapping) >= 2
@@ -79,7 +82,7 @@ def _multi_hot(groups: list[h5py.Group], prefix: str, classes: int) -> np.ndarra
 
 
 def flair(folder: Path, num_clients: int, partitions: Sequence[str], fine_grained: bool
-          ) -> tuple[ClientIndex, list, np.ndarray, Convert, tuple[int, ...], int]:
+          ) -> tuple[ClientIndex, Clients, np.ndarray, Convert, tuple[int, ...], int]:
     """FLAIR's users: (index, clients, sizes, convert, input shape (3, H, W), C).
 
     ``convert(groups, x, y)`` writes x (n, 3, H, W) float32 and y (n, C) float32 multi-hot.

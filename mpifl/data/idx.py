@@ -11,13 +11,14 @@ from __future__ import annotations
 import gzip
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from mpifl.data.roots import locate_file
 from mpifl.core.errors import DataError
 
-_DTYPES = {
+_DTYPES: dict[int, np.dtype[Any]] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

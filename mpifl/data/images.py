@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class ImageSet:
     source: Source
 
 
-def _idx_images(folder) -> tuple[np.ndarray, np.ndarray]:
+def _idx_images(folder: str | Path) -> tuple[np.ndarray, np.ndarray]:
     x, y = load_idx_pool(folder)
     return x[:, None], y  # add the channel axis: (N, 1, 28, 28)
 

@@ -50,7 +50,7 @@ _SHAKESPEARE_TABLE[[ord(c) for c in ALL_LETTERS]] = np.arange(1, len(ALL_LETTERS
 Rows = tuple[Any, Any]
 
 
-def _natural_key(path: Path) -> list:
+def _natural_key(path: Path) -> list[int | str]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
 
 
@@ -87,7 +87,7 @@ def _load_json(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _user_rows(path: Path, doc: dict[str, Any], user: Any) -> tuple[list, list]:
+def _user_rows(path: Path, doc: dict[str, Any], user: Any) -> tuple[list[Any], list[Any]]:
     data = doc["user_data"].get(user)
     if not isinstance(data, dict) or not isinstance(data.get("x"), list) \
             or not isinstance(data.get("y"), list) or len(data["x"]) != len(data["y"]):
@@ -96,7 +96,7 @@ def _user_rows(path: Path, doc: dict[str, Any], user: Any) -> tuple[list, list]:
     return data["x"], data["y"]
 
 
-def read_users(folder: Path, convert: Callable[[Path, list, list], Rows],
+def read_users(folder: Path, convert: Callable[[Path, list[Any], list[Any]], Rows],
                enough: int | None = None) -> list[tuple[str, list[Rows]]]:
     """Every user's rows, in the order of the module docstring: ``(user, [(x, y), ...])``, one
     ``(x, y)`` per file the user appears in (train before test), each ``convert(path, x, y)`` of
@@ -142,7 +142,7 @@ def _stack(picked: list[list[Rows]]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return np.concatenate([r[0] for r in flat]), np.concatenate([r[1] for r in flat]), sizes
 
 
-def _int_labels(path: Path, y: list, classes: int | None) -> np.ndarray:
+def _int_labels(path: Path, y: list[Any], classes: int | None) -> np.ndarray:
     """(n,) int64 labels, checked to be integers in 0..classes-1 (any >= 0 without classes)."""
     try:
         arr = np.asarray(y, dtype=np.float64)
@@ -155,7 +155,7 @@ def _int_labels(path: Path, y: list, classes: int | None) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _float_rows(path: Path, x: list, width: int) -> np.ndarray:
+def _float_rows(path: Path, x: list[Any], width: int) -> np.ndarray:
     """(n, width) float32 of the JSON feature lists."""
     try:
         arr = np.asarray(x, dtype=np.float32)
@@ -177,7 +177,7 @@ def read_femnist(folder: Path, num_clients: int) -> tuple[np.ndarray, np.ndarray
         x (N, 1, 28, 28) float32 pixels as LEAF stores them (in [0, 1], 1.0 the background),
         y (N,) int64 in 0..61, sizes (K,) int64.
     """
-    def convert(path: Path, x: list, y: list) -> Rows:
+    def convert(path: Path, x: list[Any], y: list[Any]) -> Rows:
         return _float_rows(path, x, 784).reshape(-1, 1, 28, 28), \
             _int_labels(path, y, FEMNIST_CLASSES)
 
@@ -208,7 +208,7 @@ def read_shakespeare(folder: Path, num_clients: int, sequence_length: int = 80
         DataError: an ``x`` that is not a string of ``sequence_length`` characters, a ``y``
             that is not one character, a character outside the alphabet.
     """
-    def convert(path: Path, x: list, y: list) -> Rows:
+    def convert(path: Path, x: list[Any], y: list[Any]) -> Rows:
         if not all(isinstance(s, str) and len(s) == sequence_length for s in x) or \
                 not all(isinstance(c, str) and len(c) == 1 for c in y):
             raise DataError(f"{path}: each 'x' must be a string of {sequence_length} characters "
@@ -227,7 +227,7 @@ def _tweet(path: Path, row: Any) -> str:
     return row[4]
 
 
-def sent140_vocabulary(words: Counter, vocab_size: int) -> dict[str, int]:
+def sent140_vocabulary(words: Counter[str], vocab_size: int) -> dict[str, int]:
     """The ``vocab_size`` most frequent words (ties: alphabetical) -> ids 2, 3, ... (0 PAD, 1
     out of vocabulary)."""
     ranked = sorted(words.items(), key=lambda kv: (-kv[1], kv[0]))[:vocab_size]
@@ -245,7 +245,7 @@ def read_sent140(folder: Path, num_clients: int, vocab_size: int = 10_000, max_l
         {0, 1}, sizes (K,) int64, and the number of ids V = vocab_size + 2 (fewer when the data
         have fewer distinct words).
     """
-    def convert(path: Path, x: list, y: list) -> Rows:
+    def convert(path: Path, x: list[Any], y: list[Any]) -> Rows:
         return [_tweet(path, row).split() for row in x], _int_labels(path, y, 2)
 
     users = read_users(folder, convert)
@@ -272,7 +272,7 @@ def read_synthetic(folder: Path, num_clients: int, num_classes: int | None = Non
     Returns:
         x, y, sizes (K,) int64, C.
     """
-    def convert(path: Path, x: list, y: list) -> Rows:
+    def convert(path: Path, x: list[Any], y: list[Any]) -> Rows:
         width = len(x[0]) if x and isinstance(x[0], list) else 60
         return _float_rows(path, x, width), _int_labels(path, y, num_classes)
 

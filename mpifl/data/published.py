@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -107,7 +108,7 @@ for _name in PUBLISHED:
     register_files(_name, FILES[_name])
 
 
-def drawn_pool(source: ClientSource, y_dtype: type = np.int64,
+def drawn_pool(source: ClientSource, y_dtype: type[np.generic] = np.int64,
                target_shape: tuple[int, ...] | None = None) -> DataPool:
     """Every client of ``source`` filled in order into one pool (``client_sizes`` set)."""
     sizes = np.asarray(source.sizes, dtype=np.int64)
@@ -177,13 +178,19 @@ def leaf_synthetic(*, seed: int, data_root: str | None = None, num_clients: int,
 
 # --------------------------------------------------------------------------- TFF
 
-def _tff_folder(name: str, data_root: str | None):
+def _tff_folder(name: str, data_root: str | None) -> Path:
     folder = find_dataset_dir(name, data_root)
     T.verify_tarballs(name, folder)
     return folder
 
 
-def _source(built: tuple, num_classes: int, input_shape: tuple[int, ...], **kw) -> ClientSource:
+#: what the readers of :mod:`mpifl.data.tff` return: the index, the clients, their sizes,
+#: ``convert``; StackOverflow's also its id count
+_Built = tuple[T.ClientIndex, T.Clients, np.ndarray, T.Convert]
+
+
+def _source(built: _Built | tuple[T.ClientIndex, T.Clients, np.ndarray, T.Convert, int],
+            num_classes: int, input_shape: tuple[int, ...], **kw: Any) -> ClientSource:
     index, clients, sizes, convert = built[:4]
     return ClientSource(sizes, num_classes, input_shape, T.H5Source(index, clients, convert).fill,
                         **kw)
@@ -192,7 +199,7 @@ def _source(built: tuple, num_classes: int, input_shape: tuple[int, ...], **kw) 
 def _eager(lazy: Callable[..., ClientSource]) -> Callable[..., DataPool]:
     """The eager loader of a lazy set: its clients drawn in order (equal bit for bit)."""
     @functools.wraps(lazy)  # its signature too (load_federated passes num_clients by it)
-    def load(**kwargs) -> DataPool:
+    def load(**kwargs: Any) -> DataPool:
         return drawn_pool(lazy(**kwargs))
     load.__doc__ = f"Every client of :func:`{lazy.__name__}` in one pool."
     return load
@@ -267,12 +274,16 @@ for _name, _lazy, _params, _tags in (
 
 # --------------------------------------------------------------------------- FLAIR
 
+FlairPartition = Literal["train", "val", "test"]
+FLAIR_PARTITIONS: tuple[FlairPartition, ...] = ("train", "val", "test")
+
+
 class FlairParams(Params):
     """``flair``: partitions read and label taxonomy."""
 
     # the file's partitions whose users are clients, in this order
-    partitions: list[Literal["train", "val", "test"]] = Field(
-        default_factory=lambda: ["train", "val", "test"], min_length=1)
+    partitions: list[FlairPartition] = Field(default_factory=lambda: list(FLAIR_PARTITIONS),
+                                             min_length=1)
     # False: the 17 coarse labels; True: the 1,628 fine-grained ones
     fine_grained: bool = False
 

@@ -36,7 +36,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -58,6 +58,9 @@ RAW = "raw"              # the raw uint8 images besides the normalised x (DataPo
 CLIENTS = "clients"      # the data set's own clients (DataPool.client_sizes); such a data set
 #                          goes only with a partition that needs them
 TAGS = (LABELS, SENSITIVE, RAW, CLIENTS)
+
+#: a registered loader or partition: the decorators return it unchanged
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class NoParams(Params):
@@ -251,7 +254,7 @@ class ClientSource:
     num_classes: int
     input_shape: tuple[int, ...]
     fill: Callable[[int, np.ndarray, np.ndarray], None]
-    x_dtype: type = np.float32
+    x_dtype: type[np.generic] = np.float32
     target_shape: tuple[int, ...] = ()
     vocab_size: int | None = None
 
@@ -297,7 +300,7 @@ def _tags(tags: Iterable[str], what: str) -> frozenset[str]:
 def register_dataset(name: str, *, params: type[Params] | None = None,
                      provides: Iterable[str] | None = None,
                      lazy: Callable[..., ClientSource] | None = None,
-                     shape: DataShape | None = None):
+                     shape: DataShape | None = None) -> Callable[[F], F]:
     """Decorator: register a data set loader as ``data.dataset = "<name>"``.
 
     Args:
@@ -320,22 +323,21 @@ def register_dataset(name: str, *, params: type[Params] | None = None,
         raise ValueError(f"data set {name!r}: lazy= must be a function and the data set must "
                          f"declare provides=({CLIENTS!r}, ...)")
 
-    def deco(fn):
-        if params is not None:
-            fn.Params = params
-        if declared is not None:
-            fn.provides = declared
-        if lazy is not None:
-            fn.lazy = lazy
-        if shape is not None:
-            fn.shape = shape
-        return DATASET_LOADERS.register(name)(fn)
+    declarations = {"Params": params, "provides": declared, "lazy": lazy, "shape": shape}
+
+    def deco(fn: F) -> F:
+        # the loader carries its declarations, read back by params_class, data_shape, ...
+        for attr, value in declarations.items():
+            if value is not None:
+                setattr(fn, attr, value)
+        DATASET_LOADERS.register(name)(fn)
+        return fn
 
     return deco
 
 
 def register_partition(name: str, *, params: type[Params] | None = None,
-                       needs: Iterable[str] = ()):
+                       needs: Iterable[str] = ()) -> Callable[[F], F]:
     """Decorator: register a partition as ``data.partition = "<name>"``.
 
     Args:
@@ -350,11 +352,15 @@ def register_partition(name: str, *, params: type[Params] | None = None,
     """
     wanted = _tags(needs, f"partition {name!r}")
 
-    def deco(fn):
-        if params is not None:
-            fn.Params = params
-        fn.needs = wanted
-        return PARTITIONERS.register(name)(fn)
+    declarations = {"Params": params, "needs": wanted}
+
+    def deco(fn: F) -> F:
+        # the partition carries its declarations, read back by params_class and compat
+        for attr, value in declarations.items():
+            if value is not None:
+                setattr(fn, attr, value)
+        PARTITIONERS.register(name)(fn)
+        return fn
 
     return deco
 

@@ -87,7 +87,7 @@ def default_cache_root() -> Path:
     return Path.home() / ".cache" / "mpifl" / "data"
 
 
-def named_root(data_root: str | os.PathLike | None = None) -> tuple[Path, str] | None:
+def named_root(data_root: str | os.PathLike[str] | None = None) -> tuple[Path, str] | None:
     """The root the user named and the setting that named it: ``data_root``
     (``"data.data_root"``), else ``$MPIFL_DATA``; None when neither is set (or empty)."""
     if data_root is not None and str(data_root) != "":
@@ -98,7 +98,7 @@ def named_root(data_root: str | os.PathLike | None = None) -> tuple[Path, str] |
     return None
 
 
-def candidate_roots(data_root: str | os.PathLike | None = None) -> list[Path]:
+def candidate_roots(data_root: str | os.PathLike[str] | None = None) -> list[Path]:
     """The data roots to search, in order (see the module docstring): the named root alone,
     else the default roots."""
     named = named_root(data_root)
@@ -107,7 +107,7 @@ def candidate_roots(data_root: str | os.PathLike | None = None) -> list[Path]:
     return list(dict.fromkeys([default_cache_root(), SYSTEM_ROOT]))
 
 
-def find_folder(name: str, layout: DatasetLayout, data_root: str | os.PathLike | None,
+def find_folder(name: str, layout: DatasetLayout, data_root: str | os.PathLike[str] | None,
                 get_it: str) -> Path:
     """The folder of dataset ``name`` (``layout``) in the roots of :func:`candidate_roots`.
 
@@ -197,7 +197,7 @@ def _how_to_get(name: str) -> str:
     return hint
 
 
-def find_dataset_dir(name: str, data_root: str | os.PathLike | None = None) -> Path:
+def find_dataset_dir(name: str, data_root: str | os.PathLike[str] | None = None) -> Path:
     """The folder of dataset ``name`` (a key of :data:`LAYOUTS`): in the named root, else in
     the first default root that has it (the module docstring).
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 from pydantic import Field
@@ -86,9 +87,30 @@ CIFAR100_TAG = 0x6D707340
 CIFAR10_TAG = 0x6D707350
 _SIZES, _WORLD = 1, 2
 
-FEMNIST = dict(writers=3550, mean=226.83, std=88.94, classes=62)
-SHAKESPEARE = dict(roles=1129, mean=3743.2, std=6212.26, chars=80)
-STACKOVERFLOW = dict(users=342_477, mean=135_818_730 / 342_477, words=10_000)
+
+class _FemnistFacts(TypedDict):
+    writers: int
+    mean: float  # samples a writer
+    std: float
+    classes: int
+
+
+class _ShakespeareFacts(TypedDict):
+    roles: int
+    mean: float  # samples a role
+    std: float
+    chars: int
+
+
+class _StackOverflowFacts(TypedDict):
+    users: int
+    mean: float  # sentences a user
+    words: int
+
+
+FEMNIST = _FemnistFacts(writers=3550, mean=226.83, std=88.94, classes=62)
+SHAKESPEARE = _ShakespeareFacts(roles=1129, mean=3743.2, std=6212.26, chars=80)
+STACKOVERFLOW = _StackOverflowFacts(users=342_477, mean=135_818_730 / 342_477, words=10_000)
 #: log-standard-deviation of the StackOverflow stand-in's sentences a user (mean and std of
 #: about 397 and 1,150): the published figure is the mean only
 SO_LOG_SIGMA = 1.5

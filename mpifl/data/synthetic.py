@@ -24,6 +24,7 @@ client's samples, bit-identical to its rows in :func:`generate_synthetic`'s outp
 from __future__ import annotations
 
 import math
+from typing import TypedDict
 
 import numpy as np
 
@@ -112,6 +113,20 @@ def fill_client(k: int, x: np.ndarray, y: np.ndarray, *, seed: int, alpha: float
     _fill_client(_client_rng(seed, k), alpha, beta, x, y)
 
 
+class _PCG64Internal(TypedDict):
+    state: int
+    inc: int
+
+
+class _PCG64State(TypedDict):
+    """``PCG64.state``'s layout (numpy/random/_pcg64.pyx)."""
+
+    bit_generator: str
+    state: _PCG64Internal
+    has_uint32: int
+    uinteger: int
+
+
 def client_sizes(num_clients: int, seed: int, chunk: int = 1 << 13) -> np.ndarray:
     """(K,) int64: n_k of every client, equal to ``generate_synthetic(K, seed)[2]``.
 
@@ -129,8 +144,8 @@ def client_sizes(num_clients: int, seed: int, chunk: int = 1 << 13) -> np.ndarra
                          f"{num_clients}")
     bits = np.random.PCG64()
     gen = np.random.Generator(bits)
-    state = {"bit_generator": "PCG64", "state": {"state": 0, "inc": 0}, "has_uint32": 0,
-             "uinteger": 0}
+    state: _PCG64State = {"bit_generator": "PCG64", "state": {"state": 0, "inc": 0},
+                          "has_uint32": 0, "uinteger": 0}
     sizes = np.empty(num_clients, dtype=np.int64)
     for lo in range(0, num_clients, chunk):
         ks = np.arange(lo, min(lo + chunk, num_clients), dtype=np.uint32)

@@ -102,6 +102,8 @@ URLS = {"adult": "https://archive.ics.uci.edu/ml/machine-learning-databases/adul
 ROW_COUNTS = {"adult": 45_222, "compas": 6_172, "german": 1_000}
 
 NUM = None  # marks a numerical column in a schema
+#: a data set's columns: (name, its categories, or NUM)
+Schema = tuple[tuple[str, tuple[str, ...] | None], ...]
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class TabularPool:
 
 # --------------------------------------------------------------------------- schemas
 
-ADULT_COLUMNS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+ADULT_COLUMNS: Schema = (
     ("age", NUM),
     ("workclass", ("Private", "Self-emp-not-inc", "Self-emp-inc", "Federal-gov", "Local-gov",
                    "State-gov", "Without-pay", "Never-worked")),
@@ -159,7 +161,7 @@ ADULT_COLUMNS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
         "Yugoslavia", "El-Salvador", "Trinadad&Tobago", "Peru", "Hong", "Holand-Netherlands")),
 )
 
-COMPAS_COLUMNS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+COMPAS_COLUMNS: Schema = (
     ("age", NUM),
     ("priors_count", NUM),
     ("juv_fel_count", NUM),
@@ -177,7 +179,7 @@ def _codes(attr: int, n: int) -> tuple[str, ...]:
     return tuple(f"A{attr}{i}" for i in range(n))
 
 
-GERMAN_COLUMNS: tuple[tuple[str, tuple[str, ...] | None], ...] = (
+GERMAN_COLUMNS: Schema = (
     ("A1_checking", _codes(1, 5)[1:]),            # A11..A14
     ("A2_duration", NUM),
     ("A3_history", _codes(3, 5)),                 # A30..A34
@@ -213,7 +215,7 @@ def feature_width(name: str, sensitive_feature: bool = True) -> int:
 
 # --------------------------------------------------------------------------- files
 
-def find_tabular_dir(name: str, data_root: str | os.PathLike | None = None) -> Path:
+def find_tabular_dir(name: str, data_root: str | os.PathLike[str] | None = None) -> Path:
     """The folder of ``name`` in the data roots (:func:`mpifl.data.roots.find_folder`).
 
     Raises:
@@ -256,7 +258,7 @@ def _read_lines(path: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- readers
 
-def load_tabular(name: str, data_root: str | os.PathLike | None = None, *,
+def load_tabular(name: str, data_root: str | os.PathLike[str] | None = None, *,
                  sensitive_feature: bool = True) -> TabularPool:
     """Read, verify and encode dataset ``name`` (see the module docstring for the rules).
 
@@ -377,19 +379,19 @@ def _sex(value: str, path: Path, line: int) -> int:
 
 # --------------------------------------------------------------------------- encoding
 
-def _schema(name: str, sensitive_feature: bool):
+def _schema(name: str, sensitive_feature: bool) -> Schema:
     if name not in SCHEMAS:
         raise DataError(f"unknown tabular dataset '{name}' (known: {', '.join(TABULAR)})")
     drop = None if sensitive_feature else SENSITIVE_COLUMN[name]
     return tuple(c for c in SCHEMAS[name] if c[0] != drop)
 
 
-def _feature_names(schema) -> tuple[str, ...]:
+def _feature_names(schema: Schema) -> tuple[str, ...]:
     return tuple(n for col, cats in schema
                  for n in ([col] if cats is NUM else [f"{col}={c}" for c in cats]))
 
 
-def _encode(schema, records: Sequence[dict[str, str]], name: str
+def _encode(schema: Schema, records: Sequence[dict[str, str]], name: str
             ) -> tuple[np.ndarray, np.ndarray]:
     """(N, F) float32 features and the (F,) numeric mask; categories by position in the schema."""
     blocks, numeric = [], []

@@ -185,7 +185,8 @@ class ClientIndex:
         Raises:
             DataError: fewer such clients than asked for.
         """
-        picked, sizes = [], []
+        picked: list[list[tuple[int, str]]] = []
+        sizes: list[int] = []
         with self.opened() as roots:
             for client in self.clients:
                 if len(picked) == num_clients:
@@ -300,7 +301,7 @@ def stackoverflow_vocabulary(folder: Path, vocab_size: int,
                 if len(words) == vocab_size:
                     break
     else:
-        counts: Counter = Counter()
+        counts: Counter[bytes] = Counter()
         for batch in sentences():
             for s in batch:
                 counts.update(_words(s))
@@ -312,6 +313,8 @@ def stackoverflow_vocabulary(folder: Path, vocab_size: int,
 # --------------------------------------------------------------------------- client sources
 
 Convert = Callable[[list[h5py.Group], np.ndarray, np.ndarray], None]
+#: the selected clients, each its ``(part, key)`` groups (:meth:`ClientIndex.select`)
+Clients = list[list[tuple[int, str]]]
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,7 @@ def _labels(groups: list[h5py.Group], key: str, classes: int) -> np.ndarray:
     return y.astype(np.int64)
 
 
-def emnist(folder: Path, num_clients: int) -> tuple[ClientIndex, list, np.ndarray, Convert]:
+def emnist(folder: Path, num_clients: int) -> tuple[ClientIndex, Clients, np.ndarray, Convert]:
     """Federated EMNIST (62 classes): x (n, 1, 28, 28) float32, y (n,) int64."""
     index = ClientIndex(_parts(folder, "fed_emnist"), pooled=True)
     clients, sizes = index.select("tff_emnist", num_clients, rows_of("label"))
@@ -368,7 +371,7 @@ def _per_image(x: np.ndarray) -> np.ndarray:
 
 
 def cifar100(folder: Path, num_clients: int, label: str, normalise: str
-             ) -> tuple[ClientIndex, list, np.ndarray, Convert]:
+             ) -> tuple[ClientIndex, Clients, np.ndarray, Convert]:
     """FedCIFAR100: x (n, 3, 32, 32) float32, y (n,) int64 fine (100) or coarse (20) labels."""
     index = ClientIndex(_parts(folder, "fed_cifar100"), pooled=False)
     clients, sizes = index.select("tff_cifar100", num_clients, rows_of("label"))
@@ -389,7 +392,7 @@ def _strings(groups: list[h5py.Group], key: str) -> list[bytes]:
     return as_bytes(feature(groups, key))
 
 
-def shakespeare(folder: Path, num_clients: int) -> tuple[ClientIndex, list, np.ndarray, Convert]:
+def shakespeare(folder: Path, num_clients: int) -> tuple[ClientIndex, Clients, np.ndarray, Convert]:
     """TFF Shakespeare: x, y (n, 80) int64 (90 ids), n the 81-token rows of the snippets."""
     index = ClientIndex(_parts(folder, "shakespeare"), pooled=True)
 
@@ -407,7 +410,7 @@ def shakespeare(folder: Path, num_clients: int) -> tuple[ClientIndex, list, np.n
 
 def stackoverflow(folder: Path, num_clients: int, vocab_size: int, sequence_length: int,
                   max_client_samples: int | None
-                  ) -> tuple[ClientIndex, list, np.ndarray, Convert, int]:
+                  ) -> tuple[ClientIndex, Clients, np.ndarray, Convert, int]:
     """TFF StackOverflow: x, y (n, T) int64 (V + 4 ids), one row a sentence (a client's first
     ``max_client_samples`` sentences, train first, when set). Returns also the id count."""
     index = ClientIndex(_parts(folder, "stackoverflow"), pooled=True)

@@ -23,7 +23,7 @@ from mpifl.models.zoo import register_model
 __all__ = ["cnn_femnist"]
 
 
-def _grey_image(shape: tuple[int, ...]) -> tuple[OrderedDict, int, int]:
+def _grey_image(shape: tuple[int, ...]) -> tuple[OrderedDict[str, nn.Module], int, int]:
     """Leading layers turning (b, *shape) into (b, 1, H, W), and H, W."""
     if len(shape) == 2:
         return OrderedDict(unsqueeze=nn.Unflatten(1, (1, shape[0]))), shape[0], shape[1]

@@ -105,7 +105,7 @@ def _check_loss(name: str, loss: object) -> None:
 
 
 #: Losses by name (``[model] loss``); plugins add theirs with ``@LOSSES.register("name")``.
-LOSSES: Registry = Registry("loss", _check_loss)
+LOSSES: Registry[Loss | Callable[[Tensor, Tensor], Tensor]] = Registry("loss", _check_loss)
 
 
 def _argmax(out: Tensor) -> Tensor:

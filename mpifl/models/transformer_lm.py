@@ -119,5 +119,6 @@ def transformer_lm(input_shape: tuple[int, ...], num_classes: int, *, seed: int 
         raise ConfigError(f"transformer_lm ties its output to the input embedding, so it "
                           f"predicts over the vocabulary ({vocab_size}), not {num_classes} "
                           f"classes; set model.params.tie_embeddings = false")
-    return TransformerLM(int(vocab_size), int(num_classes), *map(int, sizes.values()),
-                         float(dropout), bool(tie_embeddings))
+    return TransformerLM(int(vocab_size), int(num_classes), int(embedding_size),
+                         int(hidden_size), int(num_heads), int(feedforward_size),
+                         int(num_layers), float(dropout), bool(tie_embeddings))

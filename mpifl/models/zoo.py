@@ -31,9 +31,9 @@ import math
 import re
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from torch import nn
 
 from mpifl.core.blame import blame
 from mpifl.core.errors import ConfigError
-from mpifl.core.layout import buffer_names
+from mpifl.core.layout import ParamLayout, buffer_names
 from mpifl.core.registry import Registry, closest
 
 OUTPUTS = ("logits", "softmax")
@@ -55,13 +55,16 @@ def _check_factory(name: str, factory: object) -> None:
 
 #: Model factories by name: ``factory(input_shape, num_classes, *, seed, **params) -> nn.Module``
 #: (built-ins below; plugins add theirs with ``@MODEL_FACTORIES.register("name")``).
-MODEL_FACTORIES: Registry = Registry("model", _check_factory)
+MODEL_FACTORIES: Registry[Callable[..., nn.Module]] = Registry("model", _check_factory)
 
 #: ``register_model(size=)``'s default: the budget builds the factory on torch's meta device
 META = "meta"
 
+#: a registered model factory: :func:`register_model` returns it unchanged
+F = TypeVar("F", bound=Callable[..., nn.Module])
 
-def register_model(name: str, *, size: Callable[..., int] | str = META):
+
+def register_model(name: str, *, size: Callable[..., int] | str = META) -> Callable[[F], F]:
     """Decorator: register a model factory as ``model.name = "<name>"`` and say how the memory
     budget (:mod:`mpifl.experiment.budget`) counts its parameters before anything is built.
 
@@ -79,9 +82,11 @@ def register_model(name: str, *, size: Callable[..., int] | str = META):
     if size != META and not callable(size):
         raise TypeError(f"model {name!r}: size= must be {META!r} or a function, got {size!r}")
 
-    def deco(factory):
-        factory.size = size
-        return MODEL_FACTORIES.register(name)(factory)
+    def deco(factory: F) -> F:
+        # the factory carries how to count it, read back by parameter_count
+        setattr(factory, "size", size)  # noqa: B010 -- mypy refuses `factory.size =`
+        MODEL_FACTORIES.register(name)(factory)
+        return factory
 
     return deco
 
@@ -196,9 +201,10 @@ def model_params(name: str, hidden: Sequence[int], params: dict[str, Any]) -> di
     return {"hidden": tuple(hidden), **params} if name == "mlp" else dict(params)
 
 
-def _with_vocab(name: str, factory: object, vocab_size: int | None,
+def _with_vocab(name: str, factory: Callable[..., nn.Module], vocab_size: int | None,
                 params: dict[str, Any]) -> dict[str, Any]:
     """``params`` plus ``vocab_size`` for a factory that names it (token inputs)."""
+    taken: Mapping[str, inspect.Parameter]
     try:
         taken = inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -213,7 +219,7 @@ def _with_vocab(name: str, factory: object, vocab_size: int | None,
     return params
 
 
-def _check_params(name: str, factory: object, params: dict[str, Any]) -> None:
+def _check_params(name: str, factory: Callable[..., nn.Module], params: dict[str, Any]) -> None:
     """Each ``[model.params]`` key a keyword of the factory (unless it takes ``**kwargs``), so a
     mistyped key is named with the closest one instead of ignored or raised from inside."""
     try:
@@ -263,9 +269,9 @@ def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
         if p.dtype != torch.float32:
             raise ConfigError(f"model '{name}': parameter '{pname}' is {p.dtype}; mpifl trains "
                               f"float32 parameters (build it with dtype=torch.float32)")
-    for bname, b in model.named_buffers():
-        if b.is_floating_point() and b.dtype != torch.float32:
-            raise ConfigError(f"model '{name}': buffer '{bname}' is {b.dtype}; mpifl keeps "
+    for bname, buf in model.named_buffers():
+        if buf.is_floating_point() and buf.dtype != torch.float32:
+            raise ConfigError(f"model '{name}': buffer '{bname}' is {buf.dtype}; mpifl keeps "
                               f"float32 state")
     for mname, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._NormBase) and not module.track_running_stats:
@@ -371,7 +377,7 @@ def _unbatched_ops(model: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
     params = {n: p.detach().unsqueeze(0).expand(2, *p.shape) for n, p in model.named_parameters()}
     xs = x.unsqueeze(0).expand(2, *x.shape)
 
-    def total(p, xb):
+    def total(p: dict[str, torch.Tensor], xb: torch.Tensor) -> torch.Tensor:
         return functional_call(model, p, (xb,)).float().sum()
 
     was_training = model.training
@@ -390,7 +396,7 @@ def _unbatched_ops(model: nn.Module, x: torch.Tensor) -> tuple[str, ...]:
 BATCHNORM_MODES = ("global", "local", "local_stats")
 
 
-def batchnorm_coordinates(model: nn.Module, layout, mode: str) -> np.ndarray:
+def batchnorm_coordinates(model: nn.Module, layout: ParamLayout, mode: str) -> np.ndarray:
     """Positions in w of the BatchNorm coordinates that stay with each client.
 
     Args:
@@ -410,7 +416,7 @@ def batchnorm_coordinates(model: nn.Module, layout, mode: str) -> np.ndarray:
     if mode not in BATCHNORM_MODES:
         raise ConfigError(f"model.batchnorm: unknown mode {mode!r}; choose "
                           f"{', '.join(BATCHNORM_MODES)}")
-    names = set()
+    names: set[str] = set()
     if mode != "global":
         norms = [(prefix, module) for prefix, module in model.named_modules()
                  if isinstance(module, nn.modules.batchnorm._NormBase)]
@@ -445,7 +451,7 @@ def _logreg(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: object = N
 def _mlp(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: Sequence[int] = (200, 200)) -> nn.Sequential:
     if any(int(h) < 1 for h in hidden):
         raise ConfigError(f"mlp hidden sizes must be positive, got {hidden}")
-    layers: OrderedDict = OrderedDict(flatten=nn.Flatten())
+    layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
     width = math.prod(shape)
     for i, h in enumerate(hidden, start=1):
         layers[f"fc{i}"] = nn.Linear(width, int(h))
@@ -455,7 +461,8 @@ def _mlp(shape: tuple[int, ...], c: int, *, seed: int = 0, hidden: Sequence[int]
     return nn.Sequential(layers)
 
 
-def _image_input(shape: tuple[int, ...], model: str) -> tuple[OrderedDict, int, int, int]:
+def _image_input(shape: tuple[int, ...],
+                 model: str) -> tuple[OrderedDict[str, nn.Module], int, int, int]:
     """Leading layers that turn a ``(batch, *shape)`` input into ``(batch, C, H, W)``."""
     if len(shape) == 2:
         # (batch, H, W) -> (batch, 1, H, W): split dim 1 (size H) into (1, H).
