@@ -88,8 +88,8 @@ for rnd in range(cfg.run.rounds):
         upd, losses, st = trainer.run_round(w, rnd, lr, ids, tr, inputs=lam)
         cons = st["constraints"].double().numpy()
     else:
-        upd, losses = trainer.train(w, rnd, lr, ids, tr)
-        st, cons = {}, None
+        upd, losses, st = trainer.run_round(w, rnd, lr, ids, tr)
+        cons = None
     r = RoundUpdates(round=rnd, client_ids=ids, updates=upd, losses=losses,
                      num_samples=torch.as_tensor(fed.num_train), lr=lr, layers=None, stats=st,
                      loss_at=None)

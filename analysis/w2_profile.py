@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mpifl.clients.interface import TrainOptions
 from mpifl.clients.loop import LoopTrainer
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
@@ -26,8 +27,9 @@ def main() -> None:
     layout = ParamLayout.from_module(model)
     w = layout.flatten_module(model)
     idx = [np.arange(i * 560, (i + 1) * 560) for i in range(10)]
-    trainer = LoopTrainer(model, layout, x, y, epochs=1, batch_size=50, pretrain_losses=False)
-    trainer.train(w, 0, 0.1, np.arange(10), idx)  # warm-up
+    trainer = LoopTrainer(model, layout, x, y,
+                          TrainOptions(epochs=1, batch_size=50, pretrain_losses=False))
+    trainer.run_round(w, 0, 0.1, np.arange(10), idx)  # warm-up
 
     def plain() -> None:  # what any per-client simulator runs: SGD on contiguous minibatches
         net = trainer.net
@@ -41,14 +43,14 @@ def main() -> None:
 
     for r in range(3):  # interleaved
         t0 = time.perf_counter()
-        trainer.train(w, r + 1, 0.1, np.arange(10), idx)
+        trainer.run_round(w, r + 1, 0.1, np.arange(10), idx)
         a = time.perf_counter() - t0
         t0 = time.perf_counter()
         plain()
         b = time.perf_counter() - t0
         print(f"round {r}: mpifl loop {a:.3f} s, plain torch loop {b:.3f} s, ratio {b / a:.3f}")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        trainer.train(w, 9, 0.1, np.arange(10), idx)
+        trainer.run_round(w, 9, 0.1, np.arange(10), idx)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 

@@ -1,4 +1,5 @@
-"""Shared by the end-to-end tests: where real Fashion-MNIST is, and the real mpiexec."""
+"""Shared by the tests: where real Fashion-MNIST is, the real mpiexec, and one round of a
+trainer's training."""
 
 from __future__ import annotations
 
@@ -6,8 +7,17 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+    from torch import Tensor
+
+    from mpifl.clients.interface import ClientTrainer
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 #: the original Adult, COMPAS and German credit files (adult/, compas/, german/): the folder
@@ -121,3 +131,12 @@ def fill_disk(folder: Path, leave: int = 0) -> Path:
             except OSError:  # full (tmpfs rounds to pages)
                 break
     return filler
+
+
+def train(trainer: ClientTrainer, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+          sample_idx: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
+    """The ``(updates, losses)`` pair of one round of ``trainer.run_round``, the trainers' one
+    training entry point, with no round inputs or state rows: for tests of the training itself
+    (the statistics, when the trainer reports any, are dropped)."""
+    updates, losses, _ = trainer.run_round(w, round, lr, client_ids, sample_idx)
+    return updates, losses

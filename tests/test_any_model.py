@@ -25,6 +25,7 @@ from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model, get_loss, model_traits
+from tests.helpers import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
 
@@ -81,9 +82,9 @@ def test_vmap_equals_the_loop_oracle_on_the_models_it_takes(name, shape, options
     idx = _clients((13, 40, 37))
     w = layout.flatten_module(model)
     kw = dict(epochs=2, batch_size=8, **options)
-    got = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+    got = train(VmapTrainer(model, layout, x, y, TrainOptions(**kw)),
         w, 5, 0.1, np.array([3, 1, 7]), idx)
-    want = LoopTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+    want = train(LoopTrainer(model, layout, x, y, TrainOptions(**kw)),
         w, 5, 0.1, np.array([3, 1, 7]), idx)
     assert torch.allclose(got[0], want[0], atol=1e-5)
     assert torch.allclose(got[1], want[1], atol=1e-5)
@@ -107,7 +108,7 @@ def test_loop_trainer_is_the_written_out_loop_for_batchnorm_and_dropout():
     w = layout.flatten_module(model)
     loss = get_loss("cross_entropy")
     trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=6, momentum=0.9))
-    updates, _ = trainer.train(w, 4, 0.05, np.array([2, 9]), idx)
+    updates, _ = train(trainer, w, 4, 0.05, np.array([2, 9]), idx)
     for row, cid, i in zip(updates, (2, 9), idx):
         want = _loop_oracle(model, layout, x, y, w, 4, 0.05, cid, i, epochs=2, batch_size=6,
                             loss=loss, momentum=0.9)
@@ -124,13 +125,13 @@ def test_dropout_masks_are_keyed_by_client_not_by_chunk_order_or_caller():
     idx = _clients((20, 25, 15))
     w = layout.flatten_module(model)
     trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=5))
-    both, _ = trainer.train(w, 1, 0.1, np.array([0, 1, 2]), idx)
+    both, _ = train(trainer, w, 1, 0.1, np.array([0, 1, 2]), idx)
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    alone, _ = trainer.train(w, 1, 0.1, np.array([2]), idx[2:])
+    alone, _ = train(trainer, w, 1, 0.1, np.array([2]), idx[2:])
     assert torch.equal(torch.random.get_rng_state(), before)  # caller's stream untouched
     assert torch.equal(alone[0], both[2])  # the same masks without the other clients
-    other, _ = trainer.train(w, 1, 0.1, np.array([7]), idx[2:])
+    other, _ = train(trainer, w, 1, 0.1, np.array([7]), idx[2:])
     assert not torch.equal(other[0], both[2])  # another client id: other masks
 
 
@@ -146,7 +147,7 @@ def test_global_batchnorm_statistics_are_averaged_like_parameters():
     idx = _clients((10, 30))
     w = layout.flatten_module(model)
     trainer = LoopTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=10))
-    updates, losses = trainer.train(w, 0, 0.1, np.array([0, 1]), idx)
+    updates, losses = train(trainer, w, 0, 0.1, np.array([0, 1]), idx)
     rule = create("fedavg")
     step = rule.aggregate(RoundUpdates(round=0, client_ids=np.array([0, 1]), updates=updates,
                                        losses=losses, num_samples=torch.tensor([10, 30]),
@@ -256,9 +257,9 @@ def test_losses_train_the_same_on_both_paths():
         w = layout.flatten_module(model)
         idx = _clients((25, 35))
         kw = dict(epochs=2, batch_size=10, loss=loss)
-        got = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+        got = train(VmapTrainer(model, layout, x, y, TrainOptions(**kw)),
             w, 0, 0.1, np.array([0, 1]), idx)
-        want = LoopTrainer(model, layout, x, y, TrainOptions(**kw)).train(
+        want = train(LoopTrainer(model, layout, x, y, TrainOptions(**kw)),
             w, 0, 0.1, np.array([0, 1]), idx)
         assert torch.allclose(got[0], want[0], atol=1e-5), loss.name
         acc, ev_loss = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).evaluate(w, idx)

@@ -16,6 +16,7 @@ from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
 from mpifl.data.registry import PAD
 from mpifl.models import build_model, get_loss, model_traits
+from tests.helpers import train
 
 V, T = 11, 6  # a tiny vocabulary (0 is padding) and sequence length
 
@@ -159,8 +160,8 @@ def test_vmap_trains_the_benchmark_models_as_the_loop_does(name):
     w = layout.flatten_module(model)
     idx, ids = _clients((7, 12, 9)), np.array([4, 0, 2])
     kw = dict(epochs=2, batch_size=4, momentum=0.5, weight_decay=1e-3, loss=get_loss(loss))
-    got = VmapTrainer(model, layout, x, y, TrainOptions(**kw)).train(w, 3, 0.1, ids, idx)
-    want = LoopTrainer(model, layout, x, y, TrainOptions(**kw)).train(w, 3, 0.1, ids, idx)
+    got = train(VmapTrainer(model, layout, x, y, TrainOptions(**kw)), w, 3, 0.1, ids, idx)
+    want = train(LoopTrainer(model, layout, x, y, TrainOptions(**kw)), w, 3, 0.1, ids, idx)
     assert want[0].abs().max() > 1e-2  # the clients did move
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
@@ -197,7 +198,7 @@ def test_transformer_with_dropout_trains_in_the_loop_and_vmap_refuses_it():
         epochs=1, batch_size=10, loss=get_loss("token_cross_entropy")), random=True)
     w, idx, losses = layout.flatten_module(model), _clients((20, 20, 20)), []
     for rnd in range(6):  # FedAvg: the mean of three equal clients' updates
-        updates, loss = trainer.train(w, rnd, 0.5, np.arange(3), idx)
+        updates, loss = train(trainer, w, rnd, 0.5, np.arange(3), idx)
         losses.append(float(loss.mean()))
         w = w - updates.mean(dim=0)
     assert losses[-1] < 0.8 * losses[0], losses

@@ -21,7 +21,7 @@ from mpifl.clients import TRAINERS, DittoTrainer, VmapTrainer, client_minibatche
 from mpifl.experiment.config import load_config
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
-from tests.helpers import h5_round_trip, write_fmnist_job
+from tests.helpers import h5_round_trip, train, write_fmnist_job
 
 ATOL = 1e-5
 
@@ -98,7 +98,7 @@ def test_trainer_matches_per_client_sgd_oracle(epochs, batch_size, momentum, wei
     assert set(stats) == {"client_state"} and stats["client_state"].dtype == torch.float32
     # the global part is exactly VmapTrainer's FedAvg local training
     plain = VmapTrainer(model, layout, x, y, TrainOptions(memory_budget_mb=budget, **kw))
-    u0, l0 = plain.train(w, 3, 0.2, ids, idx)
+    u0, l0 = train(plain, w, 3, 0.2, ids, idx)
     assert torch.equal(updates, u0) and torch.equal(losses, l0)
 
 

@@ -41,7 +41,7 @@ from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model, get_loss
 from mpifl.runtime.determinism import Determinism, apply_determinism
-from tests.helpers import kill_tree
+from tests.helpers import kill_tree, train
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "models"
@@ -117,7 +117,7 @@ def _train(cls, model, x, y, device, **kw):
     layout = ParamLayout.from_module(model)
     w = layout.flatten_module(model).to(device)
     trainer = cls(model, layout, x, y, TrainOptions(device=device, epochs=2, batch_size=8, **kw))
-    updates, losses = trainer.train(w, 5, 0.1, IDS, _clients((13, 40, 37)))
+    updates, losses = train(trainer, w, 5, 0.1, IDS, _clients((13, 40, 37)))
     return updates.cpu(), losses.cpu()
 
 
@@ -201,8 +201,8 @@ def test_clients_in_reverse_order_train_the_same_updates(name):
     trainer = cls(model, layout, x, y, TrainOptions(device=DEVICE, epochs=2, batch_size=8,
                                                     momentum=0.9))
     idx = _clients((30, 30, 30))  # equal sizes: the vmapped chunks hold the same shapes
-    forward = trainer.train(w, 4, 0.1, IDS, idx)
-    backward = trainer.train(w, 4, 0.1, IDS[::-1].copy(), idx[::-1])
+    forward = train(trainer, w, 4, 0.1, IDS, idx)
+    backward = train(trainer, w, 4, 0.1, IDS[::-1].copy(), idx[::-1])
     for a, b in zip(forward, backward):
         if cls is LoopTrainer:  # one client at a time: nothing may differ
             assert torch.equal(a.flip(0).cpu(), b.cpu())

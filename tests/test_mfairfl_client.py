@@ -27,7 +27,7 @@ from mpifl.experiment.config import load_config
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
 from mpifl.store.results import MEASURED_COLUMNS
-from tests.helpers import TABULAR_DATA, mpiexec
+from tests.helpers import TABULAR_DATA, mpiexec, train
 
 ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,11 +243,11 @@ def test_zero_multipliers_give_exactly_vmap_trainers_updates(notion):
     for kw in ({}, {"momentum": 0.5, "weight_decay": 1e-3}):
         t = trainer(model, layout, x, y, s, notion, **kw)
         u, losses, _ = t.run_round(w, 1, 0.1, ids, idx, np.zeros(t.columns.inputs))
-        u_ref, l_ref = VmapTrainer(model, layout, x, y,
-                                   TrainOptions(epochs=2, batch_size=8, **kw)).train(
+        u_ref, l_ref = train(VmapTrainer(model, layout, x, y,
+                                         TrainOptions(epochs=2, batch_size=8, **kw)),
             w, 1, 0.1, ids, idx)
         assert torch.equal(u, u_ref) and torch.equal(losses, l_ref)
-        u2, l2 = t.train(w, 1, 0.1, ids, idx)                 # train(): lambda = 0
+        u2, l2 = train(t, w, 1, 0.1, ids, idx)                 # no inputs: lambda = 0
         assert torch.equal(u2, u_ref) and torch.equal(l2, l_ref)
 
 

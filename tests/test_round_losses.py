@@ -18,6 +18,7 @@ from mpifl.core.layout import ParamLayout
 from mpifl.experiment.plan import _trainer_plan
 from mpifl.experiment.config import load_config
 from mpifl.models import build_model
+from tests.helpers import train
 
 MAIN_JOB = Path(__file__).resolve().parents[1] / "jobs" / "fmnist-fedfv.toml"
 ATOL = 1e-5  # as tests/test_training.py
@@ -76,7 +77,7 @@ def test_training_pass_loss_matches_per_client_oracle(kw):
     w = layout.flatten_module(model)
     ids = np.array([3, 11, 5, 0])
     trainer = VmapTrainer(model, layout, x, y, TrainOptions(pretrain_losses=False, **kw))
-    u, loss = trainer.train(w, 4, 0.1, ids, idx)
+    u, loss = train(trainer, w, 4, 0.1, ids, idx)
     u_ref, l_ref = oracle(model, x, y, w, round=4, lr=0.1, client_ids=ids, sample_idx=idx, **kw)
     assert u_ref.abs().max() > 1e-3
     torch.testing.assert_close(u, u_ref, atol=ATOL, rtol=0)
@@ -87,10 +88,10 @@ def test_full_batch_training_loss_is_the_pre_training_loss():
     model, layout, x, y, idx = setup(sizes=(20, 7, 33))
     w = layout.flatten_module(model)
     ids = np.arange(3)
-    _, before = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0)).train(
+    _, before = train(VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0)),
         w, 0, 0.1, ids, idx)
-    _, during = VmapTrainer(model, layout, x, y, TrainOptions(
-        epochs=2, batch_size=0, pretrain_losses=False)).train(w, 0, 0.1, ids, idx)
+    _, during = train(VmapTrainer(model, layout, x, y, TrainOptions(
+        epochs=2, batch_size=0, pretrain_losses=False)), w, 0, 0.1, ids, idx)
     torch.testing.assert_close(during, before, atol=1e-6, rtol=0)
 
 
@@ -103,11 +104,11 @@ def test_losses_for_rules_that_need_them_are_the_pre_training_pass_bit_for_bit(b
     ids = np.array([3, 11, 5, 0])
     kw = dict(epochs=2, batch_size=6, momentum=0.5, memory_budget_mb=budget)
     default = VmapTrainer(model, layout, x, y, TrainOptions(**kw))
-    u, loss = default.train(w, 2, 0.1, ids, idx)
+    u, loss = train(default, w, 2, 0.1, ids, idx)
     want = default._client_stats(default._check_w(w), idx)[0].float()
     assert torch.equal(loss, want)
     assert torch.equal(loss, torch.from_numpy(default.evaluate(w, idx)[1]).float())
-    u2, _ = VmapTrainer(model, layout, x, y, TrainOptions(pretrain_losses=False, **kw)).train(
+    u2, _ = train(VmapTrainer(model, layout, x, y, TrainOptions(pretrain_losses=False, **kw)),
         w, 2, 0.1, ids, idx)
     assert torch.equal(u, u2)
 

@@ -14,6 +14,7 @@ from mpifl.clients import VmapTrainer, batch_order, client_minibatches
 from mpifl.clients.minibatches import step_widths
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
+from tests.helpers import train
 
 ATOL = 1e-5
 
@@ -87,7 +88,7 @@ def run_both(model, layout, x, y, idx, *, client_ids=None, round=3, lr=0.1, **kw
     w = layout.flatten_module(model)
     budget = kw.pop("memory_budget_mb", 1024.0)
     trainer = VmapTrainer(model, layout, x, y, TrainOptions(memory_budget_mb=budget, **kw))
-    got = trainer.train(w, round, lr, client_ids, idx)
+    got = train(trainer, w, round, lr, client_ids, idx)
     want = oracle_train(model, x, y, w, round=round, lr=lr, client_ids=client_ids,
                         sample_idx=idx, **kw)
     return got, want, trainer, w
@@ -208,7 +209,7 @@ def test_small_memory_budget_forces_chunks_with_same_answer():
     chunks = small.plan_chunks(sizes)
     assert 2 < len(chunks) < len(idx)  # several chunks, some holding more than one client
     assert sorted(np.concatenate(chunks).tolist()) == list(range(len(idx)))
-    chunked = small.train(w, 3, 0.1, np.arange(len(idx)) * 7 + 2, idx)
+    chunked = train(small, w, 3, 0.1, np.arange(len(idx)) * 7 + 2, idx)
     torch.testing.assert_close(chunked[0], got[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(chunked[1], got[1], atol=1e-6, rtol=0)
 
@@ -217,9 +218,9 @@ def test_deterministic_and_keyed_by_round():
     model, layout, x, y, idx = setup(sizes=(20, 33))
     trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=6, seed=5))
     w = layout.flatten_module(model)
-    a, _ = trainer.train(w, 4, 0.1, np.array([0, 1]), idx)
-    b, _ = trainer.train(w, 4, 0.1, np.array([0, 1]), idx)
-    c, _ = trainer.train(w, 5, 0.1, np.array([0, 1]), idx)
+    a, _ = train(trainer, w, 4, 0.1, np.array([0, 1]), idx)
+    b, _ = train(trainer, w, 4, 0.1, np.array([0, 1]), idx)
+    c, _ = train(trainer, w, 5, 0.1, np.array([0, 1]), idx)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c, atol=1e-4)  # another round, another minibatch order
 
@@ -229,12 +230,12 @@ def test_client_order_and_company_do_not_change_an_update():
     trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=10, momentum=0.9))
     w = layout.flatten_module(model)
     ids = np.array([4, 9, 1, 6])
-    u, l = trainer.train(w, 2, 0.1, ids, idx)
+    u, l = train(trainer, w, 2, 0.1, ids, idx)
     perm = np.array([2, 0, 3, 1])
-    u_p, l_p = trainer.train(w, 2, 0.1, ids[perm], [idx[i] for i in perm])
+    u_p, l_p = train(trainer, w, 2, 0.1, ids[perm], [idx[i] for i in perm])
     torch.testing.assert_close(u_p, u[perm], atol=1e-6, rtol=0)
     torch.testing.assert_close(l_p, l[perm], atol=1e-6, rtol=0)
-    alone, _ = trainer.train(w, 2, 0.1, ids[1:2], idx[1:2])
+    alone, _ = train(trainer, w, 2, 0.1, ids[1:2], idx[1:2])
     torch.testing.assert_close(alone[0], u[1], atol=1e-6, rtol=0)
 
 
@@ -243,11 +244,11 @@ def test_train_rejects_bad_input():
     trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=0))
     w = layout.flatten_module(model)
     with pytest.raises(ValueError):
-        trainer.train(w, 0, 0.1, np.array([0, 1]), [idx[0], np.array([], dtype=np.int64)])
+        train(trainer, w, 0, 0.1, np.array([0, 1]), [idx[0], np.array([], dtype=np.int64)])
     with pytest.raises(ValueError):
-        trainer.train(w[:-1], 0, 0.1, np.array([0, 1]), idx)
+        train(trainer, w[:-1], 0, 0.1, np.array([0, 1]), idx)
     with pytest.raises(ValueError):
-        trainer.train(w, 0, 0.1, np.array([0]), idx)
+        train(trainer, w, 0, 0.1, np.array([0]), idx)
     other = ParamLayout.from_module(build_model("logreg", (12,), 4))
     with pytest.raises(ValueError):
         VmapTrainer(model, other, x, y, TrainOptions(epochs=1, batch_size=0))
@@ -286,7 +287,7 @@ def test_stacked_mlp_path_equals_the_vmapped_path():
     slow._step_grad_value = vmap(grad_and_value(slow._minibatch_loss))
     w = layout.flatten_module(model)
     ids = np.array([3, 1, 8, 5])
-    (u, l), (u_ref, l_ref) = fast.train(w, 2, 0.1, ids, idx), slow.train(w, 2, 0.1, ids, idx)
+    (u, l), (u_ref, l_ref) = train(fast, w, 2, 0.1, ids, idx), train(slow, w, 2, 0.1, ids, idx)
     assert u_ref.abs().max() > 1e-3
     torch.testing.assert_close(u, u_ref, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(l, l_ref, atol=1e-6, rtol=1e-5)

@@ -14,6 +14,7 @@ from mpifl.clients import VmapTrainer, batch_order
 from mpifl.clients.uga import UGATrainer
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
+from tests.helpers import train
 
 
 
@@ -93,7 +94,7 @@ def setup(model_name="mlp", shape=(12,), classes=4, sizes=(20, 20, 20), seed=0, 
 def run_both(model, layout, x, y, idx, w, *, round=3, lr=0.2, budget=1024.0, **kw):
     ids = np.arange(len(idx)) * 5 + 1
     trainer = UGATrainer(model, layout, x, y, TrainOptions(memory_budget_mb=budget, **kw))
-    got = trainer.train(w, round, lr, ids, idx)
+    got = train(trainer, w, round, lr, ids, idx)
     want = oracle_uga(model, layout, x, y, w, round=round, lr=lr, client_ids=ids,
                       sample_idx=idx, **kw)
     return got, want, trainer
@@ -120,10 +121,10 @@ def test_gradient_matches_central_finite_differences_float64():
     kw = dict(round=2, lr=0.5, epochs=3, batch_size=2, seed=7)
     ids = np.array([3, 11])
     trainer = UGATrainer(model, layout, x, y, TrainOptions(epochs=3, batch_size=2, seed=7))
-    grads, _ = trainer.train(w, 2, 0.5, ids, idx)
+    grads, _ = train(trainer, w, 2, 0.5, ids, idx)
     assert grads.dtype == torch.float64 and grads.shape == (2, layout.d)
     # the traced steps really move the model and change the gradient: it is not the plain one
-    plain, _ = UGATrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=2)).train(
+    plain, _ = train(UGATrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=2)),
         w, 2, 0.5, ids, idx)
     assert (grads - plain).norm() > 0.1 * plain.norm()
     eps = 1e-6
@@ -154,8 +155,8 @@ def test_matches_keep_trace_oracle_minibatches():
 
 
 def test_run_round_the_workers_entry_point_is_the_oracle():
-    """The workers call ``run_round`` (mpifl/runtime/worker.py, backends.py), not ``train``:
-    it must give the same keep-trace gradients and losses, and no extra statistics."""
+    """``run_round``, the workers' entry point (mpifl/runtime/worker.py, backends.py), gives
+    the oracle's keep-trace gradients and losses, and no extra statistics."""
     model, layout, x, y, idx, w = setup(sizes=(9, 25, 41))
     ids = np.arange(len(idx)) * 5 + 1
     trainer = UGATrainer(model, layout, x, y, TrainOptions(epochs=3, batch_size=8,
@@ -190,7 +191,7 @@ def test_single_epoch_is_the_plain_gradient():
         loss = F.cross_entropy(functional_call(model, layout.unflatten(w0), (x[ix],)), y[ix])
         (ref,) = torch.autograd.grad(loss, w0)
         torch.testing.assert_close(g[k], ref, atol=1e-6, rtol=0)
-    u, l_sgd = VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=0)).train(
+    u, l_sgd = train(VmapTrainer(model, layout, x, y, TrainOptions(epochs=1, batch_size=0)),
         w, 3, 0.5, np.arange(3) * 5 + 1, idx)
     torch.testing.assert_close(g, u / 0.5, atol=1e-5, rtol=0)
     torch.testing.assert_close(l, l_sgd, atol=1e-6, rtol=0)
@@ -201,8 +202,8 @@ def test_traced_epochs_follow_vmap_trainer():
     VmapTrainer's (E-1)-epoch model."""
     model, layout, x, y, idx, w = setup(sizes=(9, 25))
     ids = np.array([4, 8])
-    u, _ = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=8,
-                                                         momentum=0.5)).train(
+    u, _ = train(VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=8,
+                                                               momentum=0.5)),
         w, 1, 0.2, ids, idx)
     for k, (cid, ix) in enumerate(zip(ids, idx)):
         p = local_trace(model, layout, x, y, w, round=1, lr=0.2, cid=cid, idx=ix, epochs=3,
@@ -222,12 +223,12 @@ def test_small_budget_chunks_and_cap_give_the_same_answer():
     chunks = small.plan_chunks(sizes)
     assert 2 < len(chunks) < len(idx)  # several chunks, some holding more than one client
     assert sorted(np.concatenate(chunks).tolist()) == list(range(len(idx)))
-    g2, l2 = small.train(w, 3, 0.2, np.arange(len(idx)) * 5 + 1, idx)
+    g2, l2 = train(small, w, 3, 0.2, np.arange(len(idx)) * 5 + 1, idx)
     torch.testing.assert_close(g2, g, atol=1e-6, rtol=0)
     torch.testing.assert_close(l2, l, atol=1e-6, rtol=0)
     capped = UGATrainer(model, layout, x, y, TrainOptions(**kw), max_traced_clients=2)
     assert max(len(c) for c in capped.plan_chunks(sizes)) == 2
-    g3, _ = capped.train(w, 3, 0.2, np.arange(len(idx)) * 5 + 1, idx)
+    g3, _ = train(capped, w, 3, 0.2, np.arange(len(idx)) * 5 + 1, idx)
     torch.testing.assert_close(g3, g, atol=1e-6, rtol=0)
 
 
@@ -246,11 +247,11 @@ def test_client_order_and_company_do_not_change_a_gradient():
     model, layout, x, y, idx, w = setup(sizes=(3, 17, 50, 31))
     trainer = UGATrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=10, momentum=0.9))
     ids = np.array([4, 9, 1, 6])
-    g, _ = trainer.train(w, 2, 0.1, ids, idx)
+    g, _ = train(trainer, w, 2, 0.1, ids, idx)
     perm = np.array([2, 0, 3, 1])
-    g_p, _ = trainer.train(w, 2, 0.1, ids[perm], [idx[i] for i in perm])
+    g_p, _ = train(trainer, w, 2, 0.1, ids[perm], [idx[i] for i in perm])
     torch.testing.assert_close(g_p, g[perm], atol=1e-6, rtol=0)
-    alone, _ = trainer.train(w, 2, 0.1, ids[1:2], idx[1:2])
+    alone, _ = train(trainer, w, 2, 0.1, ids[1:2], idx[1:2])
     torch.testing.assert_close(alone[0], g[1], atol=1e-6, rtol=0)
 
 
@@ -265,8 +266,8 @@ def test_gathered_samples_path_gives_the_same_answer():
     model, layout, x, y, idx, w = setup(sizes=(9, 25, 14))
     kw = dict(epochs=3, batch_size=8, momentum=0.5)
     ids = np.array([3, 0, 8])
-    g, l = UGATrainer(model, layout, x, y, TrainOptions(**kw)).train(w, 1, 0.2, ids, idx)
-    g2, l2 = Gathering(model, layout, x, y, TrainOptions(**kw)).train(w, 1, 0.2, ids, idx)
+    g, l = train(UGATrainer(model, layout, x, y, TrainOptions(**kw)), w, 1, 0.2, ids, idx)
+    g2, l2 = train(Gathering(model, layout, x, y, TrainOptions(**kw)), w, 1, 0.2, ids, idx)
     torch.testing.assert_close(g2, g, atol=1e-6, rtol=0)
     torch.testing.assert_close(l2, l, atol=0, rtol=0)
 
@@ -275,13 +276,16 @@ def test_rejects_bad_input():
     model, layout, x, y, idx, w = setup(sizes=(5, 5))
     trainer = UGATrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0))
     with pytest.raises(ValueError):
-        trainer.train(w, 0, 0.1, np.array([0, 1]), [idx[0], np.array([], dtype=np.int64)])
+        train(trainer, w, 0, 0.1, np.array([0, 1]), [idx[0], np.array([], dtype=np.int64)])
     with pytest.raises(ValueError):
-        trainer.train(w[:-1], 0, 0.1, np.array([0, 1]), idx)
+        train(trainer, w[:-1], 0, 0.1, np.array([0, 1]), idx)
     with pytest.raises(ValueError):
         UGATrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0, prox_mu=0.1))
     with pytest.raises(ValueError):
         UGATrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0), max_traced_clients=0)
+    # run_round returns gradients and no statistics: it has no training accuracies to report
+    with pytest.raises(ValueError, match="training accuracies"):
+        UGATrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=0, report_accuracy=True))
 
 
 def test_evaluate_is_vmap_trainers():

@@ -61,10 +61,10 @@ def sequential_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torc
                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Local SGD one client at a time (the baseline): ``torch.optim.SGD`` on ``model``.
 
-    Same contract as :meth:`mpifl.clients.VmapTrainer.train`: client ``client_ids[i]`` trains
-    for ``epochs`` epochs of minibatches of ``batch_size`` (0: full batch) in the order of
-    :func:`~mpifl.clients.minibatches.client_minibatches`, starting from w; ``model`` is overwritten
-    (its parameters are set from w for every client).
+    Same contract as the updates and losses of :meth:`mpifl.clients.VmapTrainer.run_round`:
+    client ``client_ids[i]`` trains for ``epochs`` epochs of minibatches of ``batch_size`` (0: full
+    batch) in the order of :func:`~mpifl.clients.minibatches.client_minibatches`, starting from
+    w; ``model`` is overwritten (its parameters are set from w for every client).
 
     Returns:
         updates (m, d) float32 ``w - w_k`` and losses (m,) float32, each client's mean

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,14 +63,14 @@ class DittoTrainer(VmapTrainer):
     """
 
     def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
-                 options: TrainOptions, *, lam: float = 0.1):
+                 options: TrainOptions, *, lam: float = 0.1) -> None:
         if isinstance(lam, bool) or not (math.isfinite(float(lam)) and float(lam) >= 0):
             raise ValueError(f"ditto: lam must be a finite number >= 0, got {lam!r}")
         super().__init__(model, layout, x, y, options)
         self.lam = float(lam)
 
     @classmethod
-    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+    def columns_for(cls, d: int, num_groups: int = 0, **options: Any) -> Columns:
         """The personal model v_k travels as the client's state row (d wide) and comes back,
         trained, as the statistic ``client_state`` (d wide)."""
         extra = (("train_accuracy", 1),) if options.get("report_accuracy") else ()
@@ -82,17 +83,17 @@ class DittoTrainer(VmapTrainer):
         """One Ditto round of the selected clients.
 
         Args:
-            w, round, lr, client_ids, sample_idx: as in :meth:`VmapTrainer.train`.
+            w, round, lr, client_ids, sample_idx: as in :meth:`VmapTrainer.run_round`.
             inputs: unused (Ditto has no round inputs).
             state: ``(m, d)`` float32, the clients' personal models v_k before the round.
 
         Returns:
             ``updates`` (m, d) and ``losses`` (m,) of the global model, exactly as
-            :meth:`VmapTrainer.train`; ``stats["client_state"]`` (m, d) float32, the personal
+            :meth:`VmapTrainer.run_round`; ``stats["client_state"]`` (m, d) float32, the personal
             models after the round (and ``train_accuracy`` (m, 1) with ``report_accuracy``).
 
         Raises:
-            ValueError: missing or mis-shaped state rows, or :meth:`VmapTrainer.train`'s errors.
+            ValueError: missing or mis-shaped state rows, or :meth:`VmapTrainer.run_round`'s errors.
         """
         m = len(sample_idx)
         if state is None or tuple(state.shape) != (m, self.layout.d):

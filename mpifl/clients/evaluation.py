@@ -13,7 +13,8 @@ that runs. The trainer's public methods of the same names delegate here; they ru
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,9 +23,12 @@ from torch.func import functional_call, vmap
 
 from mpifl.clients import memory
 
+if TYPE_CHECKING:  # pragma: no cover -- the trainer module imports this one
+    from mpifl.clients.trainer import TrainerBase
+
 
 @torch.no_grad()
-def evaluate(trainer, w: Tensor, sample_idx: Sequence[np.ndarray]
+def evaluate(trainer: TrainerBase, w: Tensor, sample_idx: Sequence[np.ndarray]
              ) -> tuple[np.ndarray, np.ndarray]:
     """Accuracy and mean loss of the global model w on each client's samples.
 
@@ -46,8 +50,9 @@ def evaluate(trainer, w: Tensor, sample_idx: Sequence[np.ndarray]
 
 
 @torch.no_grad()
-def evaluate_groups(trainer, w: Tensor, sample_idx: Sequence[np.ndarray], sensitive: Tensor,
-                    num_groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def evaluate_groups(trainer: TrainerBase, w: Tensor, sample_idx: Sequence[np.ndarray],
+                    sensitive: Tensor, num_groups: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`evaluate` plus group counts for binary tasks, in the same forward pass.
 
     Args:
@@ -66,15 +71,15 @@ def evaluate_groups(trainer, w: Tensor, sample_idx: Sequence[np.ndarray], sensit
 
 
 @torch.no_grad()
-def evaluate_adapted(trainer, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
-                     train_idx: Sequence[np.ndarray], test_idx: Sequence[np.ndarray]
-                     ) -> tuple[np.ndarray, np.ndarray]:
+def evaluate_adapted(trainer: TrainerBase, w: Tensor, round: int, lr: float,
+                     client_ids: np.ndarray, train_idx: Sequence[np.ndarray],
+                     test_idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Evaluation after local adaptation (``run.adapt_epochs``): each client's accuracy and
     loss on its test samples after the trainer's local SGD (its ``epochs``, batch size,
     momentum, weight decay; minibatch order keyed by ``order_tag``) from w on its own
     training samples.
 
-    The same vectorised training as the trainer's ``train``, in the same memory-bounded chunks;
+    The same vectorised training as the trainer's ``run_round``, in the same memory-bounded chunks;
     each chunk's trained parameters (c, d) are evaluated at once (``evaluate_each``) and
     dropped, so at most one chunk of models is alive.
 
@@ -110,7 +115,7 @@ def evaluate_adapted(trainer, w: Tensor, round: int, lr: float, client_ids: np.n
 
 
 @torch.no_grad()
-def evaluate_each(trainer, W: Tensor, sample_idx: Sequence[np.ndarray]
+def evaluate_each(trainer: TrainerBase, W: Tensor, sample_idx: Sequence[np.ndarray]
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Accuracy and mean loss of client i's own parameters ``W[i]`` on its samples.
 
@@ -176,8 +181,8 @@ def evaluate_each(trainer, W: Tensor, sample_idx: Sequence[np.ndarray]
         return acc, ce_sum / count
 
 
-def client_stats(trainer, w: Tensor, sample_idx: Sequence[np.ndarray],
-                 groups: tuple[Tensor, int] | None = None):
+def client_stats(trainer: TrainerBase, w: Tensor, sample_idx: Sequence[np.ndarray],
+                 groups: tuple[Tensor, int] | None = None) -> tuple[Tensor, ...]:
     """Per-client mean loss and accuracy of w (d,), float64 ``(n,)`` each, NaN where empty
     (accuracy NaN for a regression loss); with ``groups = (sensitive (N,) int64, G)`` also the
     (n, G, 2, 3) group counts of :func:`evaluate_groups`. w must have passed ``_check_w``."""
@@ -204,7 +209,8 @@ def client_stats(trainer, w: Tensor, sample_idx: Sequence[np.ndarray],
     return ce_sum / count, acc
 
 
-def forward_blocks(trainer, w: Tensor, sample_idx: Sequence[np.ndarray]):
+def forward_blocks(trainer: TrainerBase, w: Tensor, sample_idx: Sequence[np.ndarray]
+                   ) -> Iterator[tuple[np.ndarray, Tensor, Tensor, Tensor]]:
     """One forward of w (d,) over the clients' concatenated samples, in row blocks that fit
     the memory budget. Yields ``(rows (b,) int64 numpy store indices, client (b,) int64
     position of each row's client, outputs (b, C), labels (b,))``."""

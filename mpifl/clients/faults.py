@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
+from torch import Tensor
 
 from mpifl.clients.interface import ClientTrainer, TrainerWrapper
 from mpifl.core.rng import DROPOUT_TAG
@@ -47,12 +50,14 @@ class NaNClients(TrainerWrapper):
         super().__init__(trainer)
         self.nan_clients = np.asarray(sorted(set(nan_clients)), dtype=np.int64)
 
-    def run_round(self, w, round, lr, client_ids, sample_idx, inputs=None, state=None):
+    def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                  sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         updates, losses, stats = super().run_round(w, round, lr, client_ids, sample_idx,
                                                    inputs, state)
         return self._poison(updates, client_ids), losses, stats
 
-    def _poison(self, updates, client_ids):
+    def _poison(self, updates: Tensor, client_ids: np.ndarray) -> Tensor:
         bad = torch.as_tensor(np.isin(client_ids, self.nan_clients), device=updates.device)
         updates[bad] = float("nan")
         return updates

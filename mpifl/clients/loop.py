@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,7 +80,7 @@ class LoopTrainer(TrainerBase):
 
     def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
                  options: TrainOptions, *, local_index: np.ndarray | None = None,
-                 random: bool | None = None):
+                 random: bool | None = None) -> None:
         super().__init__(model, layout, x, y, options)
         self.local_index = np.zeros(0, np.int64) if local_index is None else np.asarray(
             local_index, dtype=np.int64).reshape(-1)
@@ -96,7 +97,7 @@ class LoopTrainer(TrainerBase):
         self.random = bool(random)
 
     @classmethod
-    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+    def columns_for(cls, d: int, num_groups: int = 0, **options: Any) -> Columns:
         """As :meth:`VmapTrainer.columns_for`, plus, with ``local_index`` (s positions), the
         clients' local coordinates as state rows (s wide) and back as ``local_state``."""
         base = super().columns_for(d, num_groups, **options)
@@ -128,7 +129,8 @@ class LoopTrainer(TrainerBase):
             stats["train_accuracy"] = acc.float().view(-1, 1)
         return updates, losses, stats
 
-    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+    def _train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+               sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
                prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`VmapTrainer._train`, with losses and accuracies measured at each client's
         ``start`` row when given (its own local coordinates)."""
@@ -153,7 +155,7 @@ class LoopTrainer(TrainerBase):
 
     @torch.no_grad()
     def evaluate_local(self, w: Tensor, rows: Tensor, sample_idx: Sequence[np.ndarray],
-                       groups: tuple[Tensor, int] | None = None):
+                       groups: tuple[Tensor, int] | None = None) -> tuple[np.ndarray, ...]:
         """Each client's accuracy and mean loss at w with its own local coordinates.
 
         Args:
@@ -178,7 +180,7 @@ class LoopTrainer(TrainerBase):
             loss[i], acc[i] = float(out[0][0]), float(out[1][0])
             if counts is not None:
                 counts[i] = out[2][0].cpu().numpy()
-        return (acc, loss) if groups is None else (acc, loss, counts)
+        return (acc, loss) if counts is None else (acc, loss, counts)  # counts iff groups
 
     def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
         if ParamLayout.from_module(model) != layout:
@@ -237,7 +239,7 @@ class LoopTrainer(TrainerBase):
                     loss = loss + 0.5 * mu * sum((q - a).square().sum()
                                                  for q, a in zip(self._params, anchors))
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
                 opt.step()
         return float(total)
 

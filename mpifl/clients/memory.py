@@ -107,7 +107,7 @@ def activation_numel(model: nn.Module, input_shape: tuple[int, ...],
     measured on a zero sample of ``dtype`` (int64 token ids: all padding, a valid input)."""
     total = 0
 
-    def count(_module, _inputs, output):
+    def count(_module: nn.Module, _inputs: tuple[object, ...], output: object) -> None:
         nonlocal total  # an LSTM returns (outputs, (h, c)): count every tensor
         total += sum(t.numel() for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 

@@ -17,6 +17,7 @@ to checkpoint, a resumed run rebuilds the same meta set.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -115,7 +116,7 @@ class MetaStep:
         self.x = torch.as_tensor(x, dtype=torch.float32 if x.dtype.kind == "f" else torch.int64,
                                  device=self.device)
         self.y = torch.as_tensor(fed.y[self.indices], device=self.device)
-        self._grad = grad(self.loss)
+        self._grad: Callable[[Tensor], Tensor] = grad(self.loss)
 
     def loss(self, w: Tensor) -> Tensor:
         """Mean loss of w ``(d,)`` on the meta set (a 0-d tensor)."""

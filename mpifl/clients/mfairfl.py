@@ -43,8 +43,10 @@ The model must have two outputs (a binary task). With ``output = "softmax"`` (a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -105,7 +107,7 @@ class LagrangianTrainer(VmapTrainer):
 
     def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
                  options: TrainOptions, *, sensitive: Tensor, fair_notion: str = "dp",
-                 fair_eps: float = 0.05, num_groups: int | None = None):
+                 fair_eps: float = 0.05, num_groups: int | None = None) -> None:
         if options.report_accuracy:
             raise ValueError("LagrangianTrainer does not report training accuracies")
         super().__init__(model, layout, x, y, options)
@@ -138,7 +140,7 @@ class LagrangianTrainer(VmapTrainer):
     # ------------------------------------------------------------------ public API
 
     @classmethod
-    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+    def columns_for(cls, d: int, num_groups: int = 0, **options: Any) -> Columns:
         """Round input λ (A,) and the statistic ``("constraints", A)``, A =
         ``num_constraints(fair_notion, num_groups)``; nothing without groups (the trainer itself
         refuses data without a sensitive attribute)."""
@@ -152,13 +154,18 @@ class LagrangianTrainer(VmapTrainer):
         """One round: constraint values and Lagrangian losses at w, then Lagrangian local SGD.
 
         Args:
-            w, round, lr, client_ids, sample_idx: as in :meth:`VmapTrainer.train`.
-            inputs: (A,) float64 multipliers λ >= 0 (None: all zeros).
+            w, round, lr, client_ids, sample_idx: as in :meth:`VmapTrainer.run_round`.
+            inputs: (A,) float64 multipliers λ >= 0 (None: all zeros, plain local SGD, and the
+                losses are then the mean cross-entropy).
             state: unused (must be None).
 
         Returns:
             ``updates`` (m, d) ``u_k = w - w_k``; ``losses`` (m,) float32 Lagrangian losses
             ``l_k`` at w; ``{"constraints": (m, A) float32}`` the values ``c_{a,k}(w)``.
+
+        Raises:
+            ValueError: state rows given, multipliers not (A,) or negative or not finite, or
+                :meth:`VmapTrainer.run_round`'s errors.
         """
         if state is not None:
             raise ValueError("LagrangianTrainer keeps no per-client state")
@@ -176,13 +183,6 @@ class LagrangianTrainer(VmapTrainer):
         return updates, lagrangian.float(), {"constraints": cons.float()}
 
     @torch.no_grad()
-    def train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
-              sample_idx: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
-        """:meth:`run_round` with λ = 0 (plain local SGD); ``losses`` are then the mean CE."""
-        updates, losses, _ = self.run_round(w, round, lr, client_ids, sample_idx)
-        return updates, losses
-
-    @torch.no_grad()
     def constraint_values(self, w: Tensor, sample_idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """Mean cross-entropy (n,) and constraint values ``c_{a,k}(w)`` (n, A) of w on each
         client's samples, float64 (what :meth:`run_round` reports, before adding λ)."""
@@ -191,7 +191,7 @@ class LagrangianTrainer(VmapTrainer):
 
     # ------------------------------------------------------------------ internals
 
-    def _multipliers(self, inputs) -> Tensor:
+    def _multipliers(self, inputs: npt.ArrayLike | None) -> Tensor:
         if inputs is None:
             return torch.zeros(self.num_constraints, device=self.device)
         lam = np.asarray(inputs, dtype=np.float64).reshape(-1)

@@ -8,7 +8,10 @@ never on the rank or chunk it is trained in: :func:`batch_order` is the order of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
+import numpy.typing as npt
 
 
 def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int,
@@ -26,7 +29,7 @@ def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int,
 
 
 def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
-                       batch_size: int, tag: int | None = None):
+                       batch_size: int, tag: int | None = None) -> Iterator[np.ndarray]:
     """ALGORITHMS.md §1's minibatches of one client in one round, for per-client loops (the oracles
     and the sequential baseline of ``mpifl bench simulate``).
 
@@ -42,7 +45,7 @@ def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: in
             yield order[start:start + size]
 
 
-def step_widths(weights: np.ndarray) -> np.ndarray:
+def step_widths(weights: np.ndarray) -> npt.NDArray[np.int64]:
     """Per step index, how many leading minibatch positions hold a real sample in some client.
 
     ``weights`` (m, T, Bp) 0/1 from :meth:`mpifl.clients.trainer.VmapTrainer._schedule` (real
@@ -50,4 +53,7 @@ def step_widths(weights: np.ndarray) -> np.ndarray:
     columns past this width, which are padding in every client (e.g. everyone's short last
     minibatch), exactly.
     """
-    return np.maximum((weights > 0).sum(axis=2).max(axis=0), 1).astype(np.int64)
+    # numpy types reductions along an axis as Any; the astype makes this int64
+    widths: npt.NDArray[np.int64] = np.maximum((weights > 0).sum(axis=2).max(axis=0),
+                                               1).astype(np.int64)
+    return widths

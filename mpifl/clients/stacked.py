@@ -55,7 +55,7 @@ def stacked_forward(model: nn.Module) -> Forward | None:
 
 
 def stacked_ce_grad(forward: Forward, params: dict[str, Tensor], xb: Tensor, yb: Tensor,
-                    wb: Tensor, with_value: bool = False):
+                    wb: Tensor) -> dict[str, Tensor]:
     """Each client's gradient of its weighted mean cross-entropy (the trainer's minibatch loss).
 
     Args:
@@ -64,13 +64,18 @@ def stacked_ce_grad(forward: Forward, params: dict[str, Tensor], xb: Tensor, yb:
             weights (0 for padding).
 
     Returns:
-        ``{name: (m, *shape) gradient}``, and with ``with_value`` also the (m,) losses.
+        ``{name: (m, *shape) gradient}``.
     """
+    return stacked_ce_grad_and_value(forward, params, xb, yb, wb)[0]
+
+
+def stacked_ce_grad_and_value(forward: Forward, params: dict[str, Tensor], xb: Tensor,
+                              yb: Tensor, wb: Tensor) -> tuple[dict[str, Tensor], Tensor]:
+    """:func:`stacked_ce_grad` and the (m,) losses (as ``torch.func.grad_and_value``)."""
     leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
     with torch.enable_grad():
         out = forward(leaves, xb)
         ce = F.cross_entropy(out.flatten(0, 1), yb.flatten(), reduction="none").view_as(wb)
         loss = (ce * wb).sum(1) / wb.sum(1).clamp(min=1.0)
         grads = torch.autograd.grad(loss.sum(), list(leaves.values()))
-    g = dict(zip(leaves, grads))
-    return (g, loss.detach()) if with_value else g
+    return dict(zip(leaves, grads)), loss.detach()

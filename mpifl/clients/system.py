@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import Field, ValidationInfo, field_validator
 
 from mpifl.clients.traces import Intervals, read_availability_trace, read_device_trace
@@ -150,7 +151,8 @@ class SystemModel:
         ValueError: num_clients < 1 or model_bytes < 0.
     """
 
-    def __init__(self, params: SystemParams, seed: int, num_clients: int, model_bytes: int):
+    def __init__(self, params: SystemParams, seed: int, num_clients: int,
+                 model_bytes: int) -> None:
         if num_clients < 1 or model_bytes < 0:
             raise ValueError(f"need num_clients >= 1 and model_bytes >= 0 "
                              f"(got {num_clients}, {model_bytes})")
@@ -189,7 +191,7 @@ class SystemModel:
         self.up_mbps = median[:, 2] * network
         self.latency_s = np.ascontiguousarray(median[:, 3])
 
-    def _check(self, ids) -> np.ndarray:
+    def _check(self, ids: npt.ArrayLike) -> npt.NDArray[np.int64]:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_clients):
             raise IndexError(f"client ids must be in 0..{self.num_clients - 1}")
@@ -205,8 +207,8 @@ class SystemModel:
         up = lat + self.model_bits / (self.up_mbps[ids] * 1e6)
         return down + epochs * n * self.seconds_per_sample[ids] + up
 
-    def _on_length(self, ids=None) -> np.ndarray:
-        frac = np.array([t.available_fraction for t in self.params.tiers])
+    def _on_length(self, ids: np.ndarray | None = None) -> np.ndarray:
+        frac = np.array([t.available_fraction for t in self.params.tiers], dtype=np.float64)
         tier = self.tier if ids is None else self.tier[ids]
         return frac[tier] * self.params.period_s
 

@@ -58,9 +58,12 @@ import io
 import math
 import pickle
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO, Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from mpifl.core.errors import DataError
 
@@ -81,7 +84,9 @@ class DeviceTrace:
     """Per-client devices, each a (K,) array: ``tier`` int64 (index into the tier names),
     ``seconds_per_sample``, ``down_mbps``, ``up_mbps``, ``latency_s`` float64."""
 
-    def __init__(self, tier, seconds_per_sample, down_mbps, up_mbps, latency_s):
+    def __init__(self, tier: npt.NDArray[np.int64], seconds_per_sample: npt.NDArray[np.float64],
+                 down_mbps: npt.NDArray[np.float64], up_mbps: npt.NDArray[np.float64],
+                 latency_s: npt.NDArray[np.float64]) -> None:
         self.tier = tier
         self.seconds_per_sample = seconds_per_sample
         self.down_mbps = down_mbps
@@ -89,12 +94,24 @@ class DeviceTrace:
         self.latency_s = latency_s
 
 
+class DeviceArrays(Protocol):
+    """What :func:`write_device_trace` reads: a :class:`DeviceTrace`'s five (K,) arrays, as a
+    :class:`DeviceTrace` or a :class:`~mpifl.clients.system.SystemModel` holds them."""
+
+    tier: npt.NDArray[np.int64]
+    seconds_per_sample: npt.NDArray[np.float64]
+    down_mbps: npt.NDArray[np.float64]
+    up_mbps: npt.NDArray[np.float64]
+    latency_s: npt.NDArray[np.float64]
+
+
 class Intervals:
     """Merged on-intervals in CSR form: client c's are ``start[indptr[c]:indptr[c+1]]`` (and
     ``end``), sorted, disjoint and not touching; ``owner`` (n,) int64 is each one's client.
     All float64 seconds, half-open ``[start, end)``."""
 
-    def __init__(self, owner: np.ndarray, start: np.ndarray, end: np.ndarray, num_clients: int):
+    def __init__(self, owner: np.ndarray, start: np.ndarray, end: np.ndarray,
+                 num_clients: int) -> None:
         self.owner, self.start, self.end = owner, start, end
         self.indptr = np.searchsorted(owner, np.arange(num_clients + 1)).astype(np.int64)
 
@@ -105,7 +122,7 @@ class Intervals:
 
 # ---------------------------------------------------------------- reading mpifl's own formats
 
-def _rows(path: str | Path, header: tuple[str, ...]):
+def _rows(path: str | Path, header: tuple[str, ...]) -> Iterator[tuple[int, list[str]]]:
     """Yields (line number, fields) of a CSV after checking its header; DataError if unreadable."""
     try:
         f = open(path, newline="", encoding="utf-8")
@@ -128,7 +145,7 @@ def _rows(path: str | Path, header: tuple[str, ...]):
             raise DataError(f"{path}:{reader.line_num}: not a CSV line ({exc})") from None
 
 
-def _int(path, line, name, text) -> int:
+def _int(path: str | Path, line: int, name: str, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -138,7 +155,7 @@ def _int(path, line, name, text) -> int:
     return value
 
 
-def _float(path, line, name, text, *, positive: bool = False) -> float:
+def _float(path: str | Path, line: int, name: str, text: str, *, positive: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -166,14 +183,14 @@ def read_device_trace(path: str | Path, num_clients: int, tier_names: list[str])
     return fast if fast is not None else _slow_device(path, num_clients, tier_names)
 
 
-def _loadtxt(path, usecols, dtype):
+def _loadtxt(path: str | Path, usecols: int | tuple[int, ...], dtype: npt.DTypeLike) -> np.ndarray:
     with warnings.catch_warnings():  # "line contained no data": blank lines are allowed
         warnings.simplefilter("ignore", UserWarning)
         return np.loadtxt(path, delimiter=",", skiprows=1, usecols=usecols, dtype=dtype,
                           ndmin=1, comments=None, encoding="utf-8")
 
 
-def _header_ok(path, header) -> bool:
+def _header_ok(path: str | Path, header: tuple[str, ...]) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
             return tuple(c.strip() for c in f.readline().split(",")) == header
@@ -181,7 +198,7 @@ def _header_ok(path, header) -> bool:
         return False
 
 
-def _fast_device(path, num_clients, tier_names) -> DeviceTrace | None:
+def _fast_device(path: str | Path, num_clients: int, tier_names: list[str]) -> DeviceTrace | None:
     """The trace if the file is plainly valid, else None (then the slow reader explains)."""
     if not _header_ok(path, DEVICE_HEADER):
         return None
@@ -204,9 +221,11 @@ def _fast_device(path, num_clients, tier_names) -> DeviceTrace | None:
     return DeviceTrace(tier[order], *(np.ascontiguousarray(vals[order, j]) for j in range(4)))
 
 
-def _slow_device(path, num_clients, tier_names) -> DeviceTrace:
+def _slow_device(path: str | Path, num_clients: int, tier_names: list[str]) -> DeviceTrace:
     tiers = {name: i for i, name in enumerate(tier_names)}
-    ids, tier, values = [], [], []
+    ids: list[int] = []
+    tier: list[int] = []
+    values: list[list[float]] = []
     lines: dict[int, int] = {}
     for line, f in _rows(path, DEVICE_HEADER):
         k = _int(path, line, "client", f[0])
@@ -246,7 +265,7 @@ def read_availability_trace(path: str | Path, num_clients: int) -> Intervals:
     return fast if fast is not None else _slow_intervals(path, num_clients)
 
 
-def _fast_intervals(path, num_clients) -> Intervals | None:
+def _fast_intervals(path: str | Path, num_clients: int) -> Intervals | None:
     if not _header_ok(path, AVAILABILITY_HEADER):
         return None
     try:
@@ -262,8 +281,10 @@ def _fast_intervals(path, num_clients) -> Intervals | None:
     return merge_intervals(owner[keep], start[keep], end[keep], num_clients)
 
 
-def _slow_intervals(path, num_clients) -> Intervals:
-    owner, start, end = [], [], []
+def _slow_intervals(path: str | Path, num_clients: int) -> Intervals:
+    owner: list[int] = []
+    start: list[float] = []
+    end: list[float] = []
     for line, f in _rows(path, AVAILABILITY_HEADER):
         k = _int(path, line, "client", f[0])
         s = _float(path, line, "start_s", f[1])
@@ -302,7 +323,7 @@ def merge_intervals(owner: np.ndarray, start: np.ndarray, end: np.ndarray,
 
 # ---------------------------------------------------------------- writing
 
-def write_device_trace(path: str | Path, tier_names: list[str], trace: DeviceTrace) -> None:
+def write_device_trace(path: str | Path, tier_names: list[str], trace: DeviceArrays) -> None:
     """Writes ``trace`` (client i = row i) in the device-trace format; floats round-trip.
     ``trace``: a :class:`DeviceTrace` or anything with its five (K,) arrays (a SystemModel)."""
     with open(path, "w", newline="", encoding="utf-8") as f:
@@ -312,7 +333,8 @@ def write_device_trace(path: str | Path, tier_names: list[str], trace: DeviceTra
             f.write(f"{k},{tier_names[t]},{','.join(map(repr, vals))}\n")
 
 
-def write_availability_trace(path: str | Path, owner, start, end) -> None:
+def write_availability_trace(path: str | Path, owner: npt.ArrayLike, start: npt.ArrayLike,
+                             end: npt.ArrayLike) -> None:
     """Writes on-intervals ``[start[i], end[i])`` of client ``owner[i]``; floats round-trip."""
     with open(path, "w", newline="", encoding="utf-8") as f:
         f.write(",".join(AVAILABILITY_HEADER) + "\n")
@@ -334,18 +356,18 @@ class _PlainUnpickler(pickle.Unpickler):
     """Builds dicts, lists, tuples, str, bytes, numbers, bools and None; refuses any class
     (an arbitrary class or callable in a pickle can run code when loaded)."""
 
-    def __init__(self, file, path):
+    def __init__(self, file: IO[bytes], path: str | Path) -> None:
         super().__init__(file)
         self.path = path
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:  # pickle.Unpickler's own signature
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         raise DataError(f"{self.path}: the pickle needs {module}.{name}; only plain dicts, "
                         "lists and numbers are read (trace files are never unpickled as-is)")
 
 
-def load_plain_pickle(path: str | Path):
+def load_plain_pickle(path: str | Path) -> object:
     """The plain-data content of a pickle file, read with :class:`_PlainUnpickler`.
 
     Raises:
@@ -363,7 +385,8 @@ def load_plain_pickle(path: str | Path):
         raise DataError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc})") from None
 
 
-def _entries(path, data, num_clients: int | None) -> tuple[list, list]:
+def _entries(path: str | Path, data: object,
+             num_clients: int | None) -> tuple[list[object], list[object]]:
     """(output client -> FedScale key, values) cyclically over the sorted keys."""
     if not isinstance(data, dict) or not data:
         raise DataError(f"{path}: expected a non-empty dict keyed by client id, "
@@ -377,14 +400,15 @@ def _entries(path, data, num_clients: int | None) -> tuple[list, list]:
     return chosen, [data[k] for k in chosen]
 
 
-def _field(path, key, entry, name):
+# A field and its values are unchecked pickle content, hence Any: _number's float() checks each.
+def _field(path: str | Path, key: object, entry: object, name: str) -> Any:
     if not isinstance(entry, dict) or name not in entry:
         raise DataError(f"{path}: client {key!r} has no {name!r} (FedScale format: "
                         "a dict per client)")
     return entry[name]
 
 
-def _number(path, key, name, value) -> float:
+def _number(path: str | Path, key: object, name: str, value: Any) -> float:
     try:
         x = float(value)
     except (TypeError, ValueError):
@@ -417,12 +441,15 @@ def fedscale_devices(path: str | Path, num_clients: int | None = None) -> Device
 
 
 def fedscale_availability(path: str | Path, num_clients: int | None = None,
-                          horizon_s: float | None = None):
+                          horizon_s: float | None = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(owner, start, end) on-intervals from FedScale's ``client_behave_trace``, unrolled over
     ``[0, horizon_s)`` with period ``finish_time`` (default horizon: each client's own
     ``finish_time``, i.e. one period). Empty intervals (inactive == active) are dropped."""
     keys, entries = _entries(path, load_plain_pickle(path), num_clients)
-    owner, start, end = [], [], []
+    owner: list[int] = []
+    start: list[float] = []
+    end: list[float] = []
     for i, (key, e) in enumerate(zip(keys, entries)):
         on = [_number(path, key, "active", v) for v in _field(path, key, e, "active")]
         off = [_number(path, key, "inactive", v) for v in _field(path, key, e, "inactive")]
@@ -464,7 +491,7 @@ def convert_fedscale(device_file: str | Path | None, availability_file: str | Pa
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = {}
+    written: dict[str, Path] = {}
     if device_file is not None:
         written["device_trace"] = out / "devices.csv"
         write_device_trace(written["device_trace"], list(FEDSCALE_TIERS),

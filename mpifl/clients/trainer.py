@@ -29,10 +29,12 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, grad_and_value, vmap
@@ -40,7 +42,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 from mpifl.clients import evaluation, memory
 from mpifl.clients.interface import TrainOptions
 from mpifl.clients.minibatches import batch_order, step_widths
-from mpifl.clients.stacked import stacked_ce_grad, stacked_forward
+from mpifl.clients.stacked import stacked_ce_grad, stacked_ce_grad_and_value, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
 from mpifl.models.losses import get_loss
@@ -69,7 +71,7 @@ class TrainerBase(ABC):
     """
 
     def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
-                 options: TrainOptions):
+                 options: TrainOptions) -> None:
         self._check_model(model, layout)
         self.options = options
         self.loss = get_loss("cross_entropy") if options.loss is None else options.loss
@@ -95,11 +97,13 @@ class TrainerBase(ABC):
         """Refuse a model this trainer cannot run (ValueError)."""
 
     @abstractmethod
-    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+    def _train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+               sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
                prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`train` plus the training accuracies of w (m,) float64; local SGD starts from
-        ``start`` (m, d) instead of w when given, with the proximal term towards w of
-        coefficient ``prox_mu`` (default: the options')."""
+        """:meth:`run_round`'s updates and losses plus the training accuracies of w (m,)
+        float64 (NaN when neither ``pretrain_losses`` nor ``report_accuracy`` measures them);
+        local SGD starts from ``start`` (m, d) instead of w when given, with the proximal term
+        towards w of coefficient ``prox_mu`` (default: the options')."""
 
     @abstractmethod
     def _train_chunk(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
@@ -114,7 +118,7 @@ class TrainerBase(ABC):
     # ------------------------------------------------------------------ public API
 
     @classmethod
-    def columns_for(cls, d: int, num_groups: int = 0, **options) -> Columns:
+    def columns_for(cls, d: int, num_groups: int = 0, **options: Any) -> Columns:
         """The :class:`Columns` a trainer built with these keyword ``options`` exchanges.
 
         Args:
@@ -144,30 +148,8 @@ class TrainerBase(ABC):
     def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
                   sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
                   state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """One round of the selected clients' work, with the extras of :attr:`columns`.
-
-        Args:
-            w, round, lr, client_ids, sample_idx: as in :meth:`train`.
-            inputs: ``(columns.inputs,)`` float64 round inputs, or None when there are none.
-            state: ``(m, columns.state)`` float32 per-client state rows, or None.
-
-        Returns:
-            ``updates`` (m, d) and ``losses`` (m,) as in :meth:`train`, and ``stats``: name ->
-            float32 tensor (m, width) for every column of ``columns.stats``.
-        """
-        if self.report_accuracy:
-            updates, losses, acc = self._train(w, round, lr, client_ids, sample_idx)
-            return updates, losses, {"train_accuracy": acc.float().view(-1, 1)}
-        updates, losses = self.train(w, round, lr, client_ids, sample_idx)
-        return updates, losses, {}
-
-    @torch.no_grad()
-    def train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
-              sample_idx: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
-        """Run local training for the selected clients of one round: :meth:`run_round`'s
-        updates and losses, for callers with no round inputs, state rows or statistics (tests,
-        benchmarks); the workers call :meth:`run_round`, the
-        :class:`~mpifl.clients.interface.ClientTrainer` entry point.
+        """Run local training for the selected clients of one round, with the extras of
+        :attr:`columns`: the :class:`~mpifl.clients.interface.ClientTrainer` entry point.
 
         Args:
             w: ``(d,)`` global parameters.
@@ -175,22 +157,29 @@ class TrainerBase(ABC):
             lr: client learning rate ``lr_t`` of this round.
             client_ids: ``(m,)`` int ids of the clients (key the minibatch order).
             sample_idx: m arrays of indices into x: each client's training samples (non-empty).
+            inputs: ``(columns.inputs,)`` float64 round inputs, or None when there are none.
+            state: ``(m, columns.state)`` float32 per-client state rows, or None.
 
         Returns:
             ``updates``: ``(m, d)`` float32 on ``device``, ``u_k = w - w_k``;
             ``losses``: ``(m,)`` float32 on ``device``, the mean loss (``[model] loss``) of w on each
             client's training samples, measured before training (``l_k`` of ALGORITHMS.md §0);
             with ``pretrain_losses = False`` (and no ``report_accuracy``) the first epoch's
-            mean training loss instead (see the class docstring).
+            mean training loss instead (see the class docstring);
+            ``stats``: name -> float32 tensor (m, width) for every column of ``columns.stats``
+            (``train_accuracy`` (m, 1), the accuracy of w, with ``report_accuracy``).
 
         Raises:
             ValueError: wrong shapes, or a client without samples.
         """
-        updates, losses, _ = self._train(w, round, lr, client_ids, sample_idx)
-        return updates, losses
+        updates, losses, acc = self._train(w, round, lr, client_ids, sample_idx)
+        if self.report_accuracy:
+            return updates, losses, {"train_accuracy": acc.float().view(-1, 1)}
+        return updates, losses, {}
 
     @staticmethod
-    def _check_clients(client_ids, sample_idx) -> tuple[np.ndarray, np.ndarray]:
+    def _check_clients(client_ids: npt.ArrayLike, sample_idx: Sequence[np.ndarray]
+                       ) -> tuple[np.ndarray, np.ndarray]:
         client_ids = np.asarray(client_ids, dtype=np.int64).reshape(-1)
         if len(client_ids) != len(sample_idx):
             raise ValueError(f"{len(client_ids)} client ids but {len(sample_idx)} sample index arrays")
@@ -235,12 +224,13 @@ class TrainerBase(ABC):
                          "(local BatchNorm trains with client.trainer = 'loop')")
 
     def _client_stats(self, w: Tensor, sample_idx: Sequence[np.ndarray],
-                      groups: tuple[Tensor, int] | None = None):
+                      groups: tuple[Tensor, int] | None = None) -> tuple[Tensor, ...]:
         """Per-client loss and accuracy (n,) float64 of w (and group counts with ``groups``):
         :func:`mpifl.clients.evaluation.client_stats`."""
         return evaluation.client_stats(self, w, sample_idx, groups)
 
-    def _forward_blocks(self, w: Tensor, sample_idx: Sequence[np.ndarray]):
+    def _forward_blocks(self, w: Tensor, sample_idx: Sequence[np.ndarray]
+                        ) -> Iterator[tuple[np.ndarray, Tensor, Tensor, Tensor]]:
         """One forward of w over the clients' samples in memory-bounded row blocks:
         :func:`mpifl.clients.evaluation.forward_blocks`."""
         return evaluation.forward_blocks(self, w, sample_idx)
@@ -291,27 +281,31 @@ class VmapTrainer(TrainerBase):
     """
 
     def __init__(self, model: nn.Module, layout: ParamLayout, x: Tensor, y: Tensor,
-                 options: TrainOptions):
+                 options: TrainOptions) -> None:
         super().__init__(model, layout, x, y, options)
-        self._step_grad = vmap(grad(self._minibatch_loss))
-        self._step_grad_value = vmap(grad_and_value(self._minibatch_loss))
+        # (params, xb, yb, *extras, wb) -> gradients (and with the value, the (m,) losses)
+        self._step_grad: Callable[..., dict[str, Tensor]] = vmap(grad(self._minibatch_loss))
+        self._step_grad_value: Callable[..., tuple[dict[str, Tensor], Tensor]] = vmap(
+            grad_and_value(self._minibatch_loss))
         forward = (stacked_forward(model) if self._plain_steps
                    and self.loss is get_loss("cross_entropy")
                    and type(self)._minibatch_loss is VmapTrainer._minibatch_loss
                    and not self._has_extras else None)
         if forward is not None:  # the plain MLP family: batched matmuls, one backward (faster)
             self._step_grad = functools.partial(stacked_ce_grad, forward)
-            self._step_grad_value = functools.partial(stacked_ce_grad, forward, with_value=True)
+            self._step_grad_value = functools.partial(stacked_ce_grad_and_value, forward)
 
     def _check_model(self, model: nn.Module, layout: ParamLayout) -> None:
         """The vmap contract: the layout is the model's parameters, and no buffers."""
         _check_model(model, layout)
 
-    def _train(self, w, round, lr, client_ids, sample_idx, start: Tensor | None = None,
+    def _train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+               sample_idx: Sequence[np.ndarray], start: Tensor | None = None,
                prox_mu: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`train` plus the training accuracies of w (m,) float64; local SGD starts from
-        ``start`` (m, d) instead of w when given (Ditto's personal models), with the proximal
-        term towards w of coefficient ``prox_mu`` (default: the trainer's)."""
+        """:meth:`run_round`'s updates and losses plus the training accuracies of w (m,) float64;
+        local SGD starts from ``start`` (m, d) instead of w when given (Ditto's personal
+        models), with the proximal term towards w of coefficient ``prox_mu`` (default: the
+        trainer's)."""
         w = self._check_w(w)
         client_ids, sizes = self._check_clients(client_ids, sample_idx)
         measure = self.pretrain_losses or self.report_accuracy
@@ -364,7 +358,8 @@ class VmapTrainer(TrainerBase):
         per_epoch = 1 if self.batch_size == 0 else -(-n // self.batch_size)
         return self.epochs * per_epoch
 
-    def _schedule(self, round: int, client_ids: np.ndarray, sizes: np.ndarray):
+    def _schedule(self, round: int, client_ids: np.ndarray, sizes: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Padded minibatch plan of a chunk.
 
         Returns ``rows`` ``(m, T, Bp)`` int64 indices into the chunk's concatenated samples,

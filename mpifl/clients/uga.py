@@ -29,8 +29,8 @@ as below, calibrated on CPU by peak RSS) and optionally by ``max_traced_clients`
 
 With E = 1 nothing is traced: ``g_k = ∇L(w^t; D_k)``, the plain full-batch gradient.
 
-The rows returned by :meth:`UGATrainer.train` are **gradients** (no learning rate in them), not
-the pseudo-gradients ``u_k = w^t - w_k`` that VmapTrainer returns; the UGA aggregator
+The rows returned by :meth:`UGATrainer.run_round` are **gradients** (no learning rate in them),
+not the pseudo-gradients ``u_k = w^t - w_k`` that VmapTrainer returns; the UGA aggregator
 (:mod:`mpifl.aggregators.uga`) steps ``w^{t+1} = w^t - eta_g * sum_k (n_k/n_S) g_k``.
 """
 
@@ -82,12 +82,13 @@ class UGATrainer(VmapTrainer):
             budget decides; at least one client per chunk always).
 
     Raises:
-        ValueError: as VmapTrainer; ``max_traced_clients < 1``; a non-zero ``prox_mu``.
+        ValueError: as VmapTrainer; ``max_traced_clients < 1``; a non-zero ``prox_mu``;
+            ``report_accuracy`` (UGA reports no training accuracies).
     """
 
     _plain_steps = False  # the keep-trace differentiates through every step's gradient
 
-    #: what :meth:`train` returns per client (the server's aggregator must expect gradients)
+    #: what :meth:`run_round` returns per client (the server's aggregator must expect gradients)
     returns: str = "gradient"
 
     def __init__(
@@ -102,6 +103,8 @@ class UGATrainer(VmapTrainer):
     ):
         if options.prox_mu:
             raise ValueError("UGA's local training has no proximal term (prox_mu must be 0)")
+        if options.report_accuracy:
+            raise ValueError("UGATrainer does not report training accuracies")
         if max_traced_clients is not None and int(max_traced_clients) < 1:
             raise ValueError(f"max_traced_clients must be >= 1 or None, got {max_traced_clients}")
         super().__init__(model, layout, x, y, options)
@@ -116,8 +119,12 @@ class UGATrainer(VmapTrainer):
 
     # ------------------------------------------------------------------ public API
 
-    def train(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
-              sample_idx: Sequence[np.ndarray]) -> tuple[Tensor, Tensor]:
+    # no_grad as every trainer's round: torch.func's vjp and grad ignore an outer no_grad (their
+    # documented behaviour), so the trace is still differentiated.
+    @torch.no_grad()
+    def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
+                  sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
+                  state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """UGA's gradients of the selected clients of one round.
 
         Args:
@@ -126,26 +133,27 @@ class UGATrainer(VmapTrainer):
             lr: client learning rate ``lr_t`` of the traced SGD steps.
             client_ids: ``(m,)`` int ids of the clients.
             sample_idx: m arrays of indices into x: each client's training samples (non-empty).
+            inputs, state: unused (UGA has no round inputs and no per-client state).
 
         Returns:
             ``grads``: ``(m, d)`` float32 on ``device`` (float64 for a float64 w: tests),
             ``g_k = ∇_{w^t} L(h_k(w^t); D_k)`` — **gradients**, not pseudo-gradients (no
             learning rate in them);
             ``losses``: ``(m,)`` float32, the mean cross-entropy of ``w^t`` on each client's
-            training samples before training (``l_k`` of ALGORITHMS.md §0), as VmapTrainer.
+            training samples before training (``l_k`` of ALGORITHMS.md §0), as VmapTrainer;
+            no statistics (``{}``).
 
         Raises:
             ValueError: wrong shapes, or a client without samples.
         """
         w = self._check_w(w)
         client_ids, sizes = self._check_clients(client_ids, sample_idx)
-        with torch.no_grad():
-            losses, _ = self._client_stats(w, sample_idx)
+        losses, _ = self._client_stats(w, sample_idx)
         grads = torch.empty(len(sizes), self.layout.d, dtype=w.dtype, device=self.device)
         for chunk in self.plan_chunks(sizes):
             g = self._grad_chunk(w, round, lr, client_ids[chunk], [sample_idx[i] for i in chunk])
             grads[torch.as_tensor(chunk, device=self.device)] = g
-        return grads, losses.float()
+        return grads, losses.float(), {}
 
     def plan_chunks(self, sizes: np.ndarray) -> list[np.ndarray]:
         """VmapTrainer's plan with UGA's memory estimate, each chunk cut to at most
