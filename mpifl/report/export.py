@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpifl.core.errors import OutputError
 from mpifl.report.load import load_noted, tables
 from mpifl.store.sealed import reason
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
@@ -53,7 +57,7 @@ def export(runs: list[str], folder: Path, fmt: str) -> list[Path]:
     return written
 
 
-def _write_table(frame, path: Path, fmt: str) -> None:
+def _write_table(frame: pd.DataFrame, path: Path, fmt: str) -> None:
     """``frame`` as ``path``: a temporary file beside it, fsynced, renamed. Any I/O error (a
     full disk, EIO) is one :class:`OutputError` naming ``path``; the temporary is removed
     whatever fails, and an older ``path`` is kept.

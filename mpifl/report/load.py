@@ -38,7 +38,7 @@ import json
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Union
 
 import numpy as np
 
@@ -47,6 +47,14 @@ from mpifl.metrics.summary import SUMMARY_KEYS
 from mpifl.store.results import (CHUNK_ELEMENTS, DamagedResults, LazyArray, LocalState,
                                  read_many)
 from mpifl.store.sweep_index import INDEX, listed_runs
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+#: One axis of an outer index: a slice with step 1, or integer positions.
+AxisIndex = Union[slice, np.ndarray]
+#: A run's lazy variables: name -> (dims without run, the array, {dim: coordinate values}).
+Lazies = dict[str, tuple[tuple[str, ...], LazyArray, dict[str, np.ndarray]]]
 
 #: ``xarray.concat`` fill values of variables that are not floats (padding of shorter runs).
 _FILL = {"selected": -1, "aggregated": False}
@@ -62,7 +70,7 @@ _READ_BUDGET = 1 << 23
 _MAX_RUNS = 32
 
 
-def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
+def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto") -> xr.Dataset:
     """Read runs into one ``xarray.Dataset`` (layout in the module docstring).
 
     Args:
@@ -129,7 +137,12 @@ def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
         raise
     if "close" in good[0]:
         closers = [res["close"] for res in good]
-        ds.set_close(lambda: [close() for close in closers])
+
+        def close_all() -> None:
+            for close in closers:
+                close()
+
+        ds.set_close(close_all)
     ds.attrs.update(units="accuracies, std, cf, dp/eo/ap: fractions in [0, 1]; fair_angle: "
                           "radians; time_*: seconds; peak_rss_*: MiB; loss, loss_*: the [model] "
                           "loss's units", schema="docs/RESULTS.md")
@@ -138,7 +151,8 @@ def load(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"):
     return ds
 
 
-def load_noted(source, lazy: bool | str = "auto"):
+def load_noted(source: str | Path | Iterable[str | Path], lazy: bool | str = "auto"
+               ) -> xr.Dataset:
     """:func:`load` for the command line: a ``--seeds`` folder's note on the runs it leaves out
     goes to standard error as one plain line instead of a ``UserWarning``."""
     import sys
@@ -167,15 +181,16 @@ def _per_client_bytes(res: dict[str, Any]) -> int:
                if isinstance(v, LazyArray))
 
 
-def _take_lazy(res: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], Any, dict]]:
+def _take_lazy(res: dict[str, Any]) -> Lazies:
     """Remove a run's lazy arrays from ``res``; put in their place the coordinates their
     dimensions need. Returns {variable name: (dims without run, LazyArray, {dim: coordinate
     values})}."""
-    out = {}
+    out: Lazies = {}
     ev_round = np.asarray(res["eval"]["round"])
     for group in ("eval", "clients"):
         for name in [k for k, v in res[group].items() if isinstance(v, LazyArray)]:
             a = res[group].pop(name)
+            dims: tuple[str, ...]
             if group == "eval":
                 dims = ("eval_round", "client")
                 out[name.replace("/", "_").replace("client_", "")] = (
@@ -195,7 +210,7 @@ def _take_lazy(res: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], Any, dic
     return out
 
 
-def _add_lazy(ds, lazies: list[dict[str, tuple]]):
+def _add_lazy(ds: xr.Dataset, lazies: list[Lazies]) -> xr.Dataset:
     """``ds`` with each run's lazy arrays added as lazy (run, ...) variables aligned on ds's
     eval_round, client and label coordinates (positions a run lacks: padding)."""
     import xarray as xr
@@ -203,7 +218,8 @@ def _add_lazy(ds, lazies: list[dict[str, tuple]]):
     names = list(dict.fromkeys(n for lz in lazies for n in lz))
     for name in names:
         dims = next(lz[name][0] for lz in lazies if name in lz)
-        sources, maps = [], []
+        sources: list[LazyArray | None] = []
+        maps: list[list[np.ndarray | None] | None] = []
         for lz in lazies:
             if name not in lz:
                 sources.append(None)
@@ -229,7 +245,7 @@ def _positions(own: np.ndarray, union: np.ndarray) -> np.ndarray | None:
     return pd.Index(own).get_indexer(union).astype(np.intp)
 
 
-def _lazy_data(stack: "_Stacked", dims: tuple[str, ...]):
+def _lazy_data(stack: _Stacked, dims: tuple[str, ...]) -> Any:
     """The stack as a dask array (dask installed) or an xarray lazily indexed array."""
     try:
         import dask.array as da
@@ -241,15 +257,16 @@ def _lazy_data(stack: "_Stacked", dims: tuple[str, ...]):
             def __init__(self, s: _Stacked) -> None:
                 self.s, self.shape, self.dtype = s, s.shape, s.dtype
 
-            def __getitem__(self, key):
+            def __getitem__(self, key: Any) -> np.ndarray:
                 return indexing.explicit_indexing_adapter(
                     key, self.shape, indexing.IndexingSupport.OUTER, self.s.__getitem__)
 
         return indexing.LazilyIndexedArray(_Backend(stack))
     chunks = (1, *(1 if d == "eval_round" else DASK_CLIENT_CHUNK if d == "client" else -1
                    for d in dims))
-    return da.from_array(stack, chunks=chunks, name=f"mpifl-{stack.name}-{uuid.uuid4().hex}",
-                         lock=True, meta=np.empty((0,) * len(stack.shape), dtype=stack.dtype))
+    return da.from_array(  # type: ignore[no-untyped-call]  # dask leaves it unannotated
+        stack, chunks=chunks, name=f"mpifl-{stack.name}-{uuid.uuid4().hex}", lock=True,
+        meta=np.empty((0,) * len(stack.shape), dtype=stack.dtype))
 
 
 class _Stacked:
@@ -262,11 +279,13 @@ class _Stacked:
     (outer indexing, as xarray and dask ask) and reads only the chunks it needs.
     """
 
-    def __init__(self, sources: list, maps: list, shape: tuple[int, ...], name: str) -> None:
+    def __init__(self, sources: list[LazyArray | None],
+                 maps: list[list[np.ndarray | None] | None], shape: tuple[int, ...],
+                 name: str) -> None:
         self.sources, self.maps, self.shape, self.name = sources, maps, shape, name
         self.ndim = len(shape)
         dtype = np.result_type(*(s.dtype for s in sources if s is not None))
-        padded = any(s is None or any(m is not None and (m < 0).any() for m in mp)
+        padded = any(s is None or mp is None or any(m is not None and (m < 0).any() for m in mp)
                      for s, mp in zip(sources, maps))
         self.fill = _FILL.get(name, np.nan)
         if padded and dtype.kind in "iub" and isinstance(self.fill, float):
@@ -275,10 +294,11 @@ class _Stacked:
             self.fill = 0  # never shown: nothing is padded
         self.dtype = dtype
 
-    def __getitem__(self, key) -> np.ndarray:
+    def __getitem__(self, key: Any) -> np.ndarray:
         key = key if isinstance(key, tuple) else (key,)
         key = key + (slice(None),) * (self.ndim - len(key))
-        sel, squeeze = [], []
+        sel: list[AxisIndex] = []
+        squeeze: list[int] = []
         for axis, (k, n) in enumerate(zip(key, self.shape)):
             if isinstance(k, (int, np.integer)):
                 i = int(np.arange(n)[k])  # IndexError out of range, as numpy
@@ -291,10 +311,12 @@ class _Stacked:
                 sel.append(np.arange(n)[k].astype(np.intp).reshape(-1))
         out = np.full([_length(s) for s in sel], self.fill, dtype=self.dtype)
         for at, r in enumerate(np.arange(self.shape[0])[sel[0]]):
-            if self.sources[r] is None:
+            src, maps = self.sources[r], self.maps[r]
+            if src is None or maps is None:
                 continue
-            local, dest = [], []
-            for s, m in zip(sel[1:], self.maps[r]):
+            local: list[AxisIndex] = []
+            dest: list[AxisIndex] = []
+            for s, m in zip(sel[1:], maps):
                 if m is None:  # the run's own positions: the selection as it is
                     local.append(s)
                     dest.append(slice(0, _length(s)))
@@ -305,22 +327,22 @@ class _Stacked:
                 dest.append(keep)
             if any(_length(x) == 0 for x in local):
                 continue
-            out[at][_outer(dest)] = _read_outer(self.sources[r], local)
+            out[at][_outer(dest)] = _read_outer(src, local)
         return out[tuple(0 if axis in squeeze else slice(None) for axis in range(self.ndim))]
 
 
-def _length(s) -> int:
+def _length(s: AxisIndex) -> int:
     return s.stop - s.start if isinstance(s, slice) else len(s)
 
 
-def _outer(index: list) -> tuple:
+def _outer(index: list[AxisIndex]) -> tuple[Any, ...]:
     """A numpy index taking the outer product of per-axis slices and integer arrays."""
     if sum(not isinstance(i, slice) for i in index) <= 1:
         return tuple(index)
     return np.ix_(*(np.arange(i.start, i.stop) if isinstance(i, slice) else i for i in index))
 
 
-def _read_outer(src, index: list) -> np.ndarray:
+def _read_outer(src: Any, index: list[AxisIndex]) -> np.ndarray:
     """``src`` at the outer product of ``index`` (per axis: a slice with step 1, or integer
     positions in any order) for a 1-D or 2-D h5py-like ``src``, reading by slices only: a
     slice as it is; positions as the contiguous runs of their sorted unique values (their
@@ -328,7 +350,10 @@ def _read_outer(src, index: list) -> np.ndarray:
     of rows that keep a bounding read under :data:`_READ_BUDGET` elements."""
     if all(isinstance(i, slice) for i in index):
         return src[tuple(index)]
-    pieces, finals, sizes = [], [], []  # per axis: [(lo, hi, take, dest)]
+    # per axis: [(lo, hi, take, dest)]
+    pieces: list[list[tuple[int, int, AxisIndex, AxisIndex]]] = []
+    finals: list[AxisIndex] = []
+    sizes: list[int] = []
     for i in index:
         if isinstance(i, slice):
             pieces.append([(i.start, i.stop, slice(0, i.stop - i.start),
@@ -345,15 +370,17 @@ def _read_outer(src, index: list) -> np.ndarray:
         sizes.append(len(u))
     width = max((hi - lo for lo, hi, _, _ in pieces[1]), default=1) if len(pieces) > 1 else 1
     rows_per = max(1, _READ_BUDGET // max(1, width))
-    first = []
+    first: list[tuple[int, int, AxisIndex, AxisIndex]] = []
     for lo, hi, take, dest in pieces[0]:  # long row ranges in blocks: a read stays in budget
         at = np.arange(lo, hi)[take] if not isinstance(take, slice) else None
         for a in range(lo, hi, rows_per):
             b = min(hi, a + rows_per)
             if at is None:
+                assert isinstance(dest, slice)  # a slice's piece: take and dest are slices
                 first.append((a, b, slice(0, b - a), slice(dest.start + a - lo,
                                                            dest.start + b - lo)))
             elif (inside := (at >= a) & (at < b)).any():
+                assert isinstance(dest, np.ndarray)  # positions' pieces: index arrays
                 first.append((a, b, at[inside] - a, dest[inside]))
     pieces[0] = first
     out = np.empty(sizes, dtype=src.dtype)
@@ -363,7 +390,7 @@ def _read_outer(src, index: list) -> np.ndarray:
     return out[_outer(finals)] if any(not isinstance(f, slice) for f in finals) else out
 
 
-def tables(ds) -> dict[str, Any]:
+def tables(ds: xr.Dataset) -> dict[str, Any]:
     """The Dataset as three long-form pandas DataFrames, one row per observation.
 
     Returns:
@@ -388,7 +415,8 @@ def tables(ds) -> dict[str, Any]:
     return out
 
 
-def _sources(source) -> tuple[list[tuple[str, Path, dict[str, Any]]], str | None]:
+def _sources(source: str | Path | Iterable[str | Path]
+             ) -> tuple[list[tuple[str, Path, dict[str, Any]]], str | None]:
     """(run id, results path, swept params) of each run to load, and the note of a ``--seeds``
     folder on the runs it leaves out (:func:`listed_runs`; else None).
 
@@ -431,7 +459,8 @@ def _varying_keys(configs: list[dict[str, Any]]) -> list[str]:
             and k not in ("run.name", "run.seed", "server.algorithm")]
 
 
-def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying: list[str]):
+def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying: list[str]
+                 ) -> xr.Dataset:
     import xarray as xr
 
     rounds, ev, config = res["rounds"], res["eval"], res["config"]
@@ -446,8 +475,8 @@ def _run_dataset(rid: str, res: dict[str, Any], params: dict[str, Any], varying:
     for name, values in rounds.items():
         if name == "round":
             continue
-        dims = {1: ("round",), 2: ("round", "layer" if name == "conflicts_layer" else "slot")}
-        data[name] = (("run", *dims[values.ndim]), values[None])
+        by_ndim = {1: ("round",), 2: ("round", "layer" if name == "conflicts_layer" else "slot")}
+        data[name] = (("run", *by_ndim[values.ndim]), values[None])
     for name, values in ev.items():
         if name == "round":
             continue
@@ -483,6 +512,6 @@ def _client_dims(name: str, ndim: int) -> tuple[str, ...]:
     return ("client",) if ndim == 1 else ("client", "label")
 
 
-def _fill_values(parts) -> dict[str, Any]:
-    names = set().union(*(p.data_vars for p in parts))
+def _fill_values(parts: list[xr.Dataset]) -> dict[str, Any]:
+    names = {str(n) for p in parts for n in p.data_vars}
     return {n: _FILL.get(n, np.nan) for n in names}

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from mpifl.core.errors import OutputError
 from mpifl.report.load import load_noted
+
+if TYPE_CHECKING:
+    import xarray as xr
 
 #: curves: (variable, panel title, scale to the printed unit)
 CURVES = [("mean", "mean client accuracy (%)", 100.0), ("worst5", "worst-5% accuracy (%)", 100.0),
@@ -51,9 +55,10 @@ def plot(kind: str, runs: list[str], out: Path) -> Path:
     return out
 
 
-def _groups(ds) -> dict[str, list[int]]:
+def _groups(ds: xr.Dataset) -> dict[str, list[int]]:
     """Label -> indices of runs that differ only in seed (algorithm and swept values)."""
-    keys = [c for c in ds.coords if ds[c].dims == ("run",) and c not in ("run", "seed", "status")]
+    keys = [str(c) for c in ds.coords
+            if ds[c].dims == ("run",) and c not in ("run", "seed", "status")]
     groups: dict[str, list[int]] = {}
     for i in range(ds.sizes["run"]):
         parts = [str(ds[k].values[i]) if k == "algorithm" else f"{k.split('.')[-1]}="
@@ -62,7 +67,7 @@ def _groups(ds) -> dict[str, list[int]]:
     return groups
 
 
-def _curves(plt, ds):
+def _curves(plt: Any, ds: xr.Dataset) -> Any:
     curves = CURVES if "mean" in ds else LOSS_CURVES
     fig, axes = plt.subplots(1, len(curves), figsize=(4.3 * len(curves), 3.5),
                              constrained_layout=True)
@@ -85,7 +90,7 @@ def _curves(plt, ds):
     return fig
 
 
-def _time(plt, ds):
+def _time(plt: Any, ds: xr.Dataset) -> Any:
     """Mean and worst-5% accuracy against simulated hours, one line a run (runs on the same
     clock take different times to the same round, so seeds are not pooled)."""
     if "sim_time" not in ds:
@@ -108,7 +113,7 @@ def _time(plt, ds):
     return fig
 
 
-def _clients(plt, ds):
+def _clients(plt: Any, ds: xr.Dataset) -> Any:
     """Each client's accuracy (regression: loss) at every run's last evaluation, sorted: the
     lower the left end, the worse the worst clients fare (regression: the higher the right)."""
     fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)

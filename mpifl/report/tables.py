@@ -26,7 +26,7 @@ from mpifl.core.errors import OutputError
 from mpifl.core.locking import owner_alive
 from mpifl.report.load import flat_config
 from mpifl.store.checkpoint import folder_for, load_latest
-from mpifl.store.results import read_results
+from mpifl.store.results import Damaged, read_results
 
 PER_CLIENT_MAX = 10
 
@@ -131,7 +131,10 @@ def system_rows(res: dict[str, Any], acc: np.ndarray,
     it; NaN when it never did)."""
     system, ev = res["system"], res["eval"]
     sim = np.asarray(system["rounds/sim_time"], dtype=np.float64)
-    at = lambda rounds_done: float(sim[rounds_done - 1]) / 3600 if rounds_done else 0.0  # noqa: E731
+
+    def at(rounds_done: int) -> float:  # simulated hours after that many rounds
+        return float(sim[rounds_done - 1]) / 3600 if rounds_done else 0.0
+
     selected = float(np.sum(system["rounds/selected"]))
     row: dict[str, Any] = {"sim_hours": at(int(ev["round"][-1])),
                            "late": 100 * float(np.sum(system["rounds/late"])) / max(selected, 1)}
@@ -345,7 +348,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def damaged_lines(damaged) -> list[str]:
+def damaged_lines(damaged: list[Damaged]) -> list[str]:
     """What a summary prints (and writes, in Markdown) about the results files it could not
     read (:class:`mpifl.store.results.Damaged`): a heading, then ``- PATH: reason`` each."""
     return ([f"damaged results files, left out of the figures above ({len(damaged)}):"]
