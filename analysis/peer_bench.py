@@ -181,7 +181,7 @@ class MpiflRounds:
         from mpifl.experiment.assemble import make_trainer, trainer_path
         from mpifl.runtime.backends import LocalClients
         from mpifl.runtime.server import Server
-        from mpifl.store.results import ResultsWriter
+        from mpifl.store.results import MetricSet, ResultsWriter
 
         cfg, parts = wl.cfg, wl.parts
         self.cfg, self.parts, self.select = cfg, parts, wl.select
@@ -190,10 +190,9 @@ class MpiflRounds:
         self.trainer = make_trainer(wl.plan, parts, dev)
         clients = LocalClients(self.trainer, parts.fed, dev)
         agg = aggregators.create(cfg.server.algorithm, seed=cfg.run.seed, **cfg.algorithm_params())
-        writer = ResultsWriter(out, cfg.to_json(), world_size=1,
-                               num_clients=parts.fed.num_clients,
-                               num_layers=len(parts.layout.layers),
-                               algorithm=cfg.server.algorithm)
+        writer = ResultsWriter(out, cfg.to_json(),
+                               MetricSet(parts.fed.num_clients, len(parts.layout.layers)),
+                               world_size=1, algorithm=cfg.server.algorithm)
         self.server = Server(wl.plan.rounds, parts.fed, parts.layout, clients, agg, writer, dev)
         self.w = parts.w0.clone()
         self.rnd = 0

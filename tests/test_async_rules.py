@@ -191,6 +191,19 @@ def test_a_sharded_server_is_refused_in_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("setting", ["system.deadline_s=30", "system.over_commit=0.3"])
+def test_a_deadline_or_over_commitment_is_refused_with_the_config(tmp_path, setting):
+    """Synchronous rounds only: refused when the config loads, before any data is read."""
+    job = tmp_path / "job.toml"
+    job.write_text(JOB)
+    with pytest.raises(ConfigError) as err:
+        load_config(job, ["server.algorithm=\"fedbuff\"", "system.enabled=true", setting])
+    assert str(err.value).startswith("system.deadline_s, system.over_commit: fedbuff is "
+                                     "asynchronous")
+    assert "\n" not in str(err.value)
+    load_config(job, ["server.algorithm=\"fedbuff\"", "system.enabled=true"])  # without: fine
+
+
 # --------------------------------------------------------------------------- end to end
 
 

@@ -9,7 +9,7 @@ import pytest
 from mpifl.store import checkpoint, sealed
 from mpifl.store.checkpoint import Checkpoint
 from mpifl.core.errors import OutputError
-from mpifl.store.results import MetricHistory
+from mpifl.store.results import MetricHistory, MetricSet
 
 ROW = {"round": 0, "num_clients": 3, "train_loss": 1.5, "lr": 0.1, "conflicts_model": 1,
        "dropped": 0, "rejected": 0, "bytes_moved": 10, "time_broadcast": 0.1, "time_train": 0.2,
@@ -21,7 +21,7 @@ SUMMARY = {"mean": 0.5, "weighted_mean": 0.5, "std": 0.1, "worst5": 0.1, "best5"
 
 
 def make(rounds_done: int, d: int = 5000) -> Checkpoint:
-    h = MetricHistory(num_clients=4, num_layers=2)
+    h = MetricHistory(MetricSet(num_clients=4, num_layers=2))
     for t in range(rounds_done):
         h.add_round({**ROW, "round": t})
     h.add_eval(rounds_done, np.array([0.1, 0.2, 0.3, 0.4]), np.ones(4), SUMMARY)

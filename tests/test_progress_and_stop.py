@@ -199,8 +199,11 @@ def test_sigterm_during_training_drops_the_round_and_resume_is_exact(tmp_path):
 
 
 def plan(rounds: int = 4, every: int = 1, n: int = 10, full_every: int = 2) -> RoundPlan:
-    return RoundPlan("t", 0, rounds, 10, "uniform", 0.1, 1.0, 0.0, None, every, 0, 0.0, 5.0,
-                     False, "fedavg", "{}", eval_clients=n, full_eval_every=full_every)
+    return RoundPlan(name="t", seed=0, rounds=rounds, clients_per_round=10, sampling="uniform",
+                     lr=0.1, lr_decay=1.0, dropout=0.0, max_update_norm=None, eval_every=every,
+                     checkpoint_every=0, checkpoint_minutes=0.0, progress_every_s=5.0,
+                     adapt=False, rule="fedavg", config_json="{}", eval_clients=n,
+                     full_eval_every=full_every)
 
 
 def test_the_evaluations_still_due_are_counted_as_the_run_does_them():

@@ -304,8 +304,8 @@ def test_a_complete_run_without_an_evaluation_stays_an_error(tmp_path, capsys):
         config, w = f.attrs["config"], f["model/global"][()]
     history.eval_round, history.accuracy, history.loss = [], [], []
     history.summary = {k: [] for k in history.summary}
-    writer = ResultsWriter(tmp_path / "noeval.h5", config, world_size=1, num_clients=8,
-                           num_layers=1, algorithm="fedavg", history=history)
+    writer = ResultsWriter(tmp_path / "noeval.h5", config, history.metrics, world_size=1,
+                           algorithm="fedavg", history=history)
     writer.finish(w, [("fc", 0, len(w))])
     assert main(["report", str(tmp_path / "noeval.h5")]) == 2
     err = capsys.readouterr().err

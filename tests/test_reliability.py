@@ -21,7 +21,7 @@ import pytest
 from mpifl.core.errors import OutputError
 from mpifl.core.locking import RunLock, lock_path
 from mpifl.store import checkpoint
-from mpifl.store.results import ResultsWriter, read_results
+from mpifl.store.results import MetricSet, ResultsWriter, read_results
 from tests.helpers import mpiexec, small_fmnist_job, write_fmnist_job
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -267,7 +267,7 @@ def test_a_failed_results_write_on_a_full_disk_keeps_the_previous_file(tmpfs):
     mnt = tmpfs("1m")
     k = 2000  # wide /eval rows: a few evaluations fill the disk
     out = mnt / "r.h5"
-    w = ResultsWriter(out, "{}", world_size=1, num_clients=k, num_layers=2, algorithm="fedavg")
+    w = ResultsWriter(out, "{}", MetricSet(k, 2), world_size=1, algorithm="fedavg")
     rng = np.random.default_rng(0)
     written = 0
     with pytest.raises(OutputError, match="cannot write results file .*No space left"):

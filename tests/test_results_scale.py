@@ -19,7 +19,8 @@ import mpifl
 from mpifl.core.errors import OutputError
 from mpifl.metrics.summary import SUMMARY_KEYS
 from mpifl.store import checkpoint, encoding, results
-from mpifl.store.results import CHUNK_ELEMENTS, LazyArray, ResultsWriter, read_results
+from mpifl.store.results import (CHUNK_ELEMENTS, LazyArray, MetricSet, ResultsWriter,
+                                 read_results)
 
 K, C, M, LAYERS = 200_000, 10, 1_000, 3
 ROUNDS, EVERY = 16, 2  # 8 evaluations: 2 x 8 x K float64 + 12 K int64 = 44 MB of per-client data
@@ -32,8 +33,8 @@ def _fake_run(path, k=K, rounds=ROUNDS, seed=0):
     n_test = np.maximum(1, rng.poisson(20, k))
     clients = {"num_train": np.maximum(1, rng.poisson(100, k)), "num_test": n_test,
                "label_counts": rng.multinomial(100, np.full(C, 1 / C), size=k)}
-    w = ResultsWriter(path, json.dumps({"run": {"seed": seed}}), world_size=1, num_clients=k,
-                      num_layers=LAYERS, algorithm="fedavg", clients=clients)
+    w = ResultsWriter(path, json.dumps({"run": {"seed": seed}}), MetricSet(k, LAYERS),
+                      world_size=1, algorithm="fedavg", clients=clients)
     acc, loss = [], []
     for t in range(rounds):
         if (t + 1) % EVERY == 0:
@@ -191,7 +192,7 @@ def test_rewrites_compress_only_new_evaluation_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(encoding, "_encode", lambda block, *a: encoded.append(block.shape) or
                         real(block, *a))
     k = 3 * CHUNK_ELEMENTS
-    w = ResultsWriter(tmp_path / "r.h5", "{}", world_size=1, num_clients=k, num_layers=1,
+    w = ResultsWriter(tmp_path / "r.h5", "{}", MetricSet(k, 1), world_size=1,
                       algorithm="fedavg")
     for e in range(3):
         encoded.clear()
@@ -205,7 +206,7 @@ def test_rewrites_compress_only_new_evaluation_rows(tmp_path, monkeypatch):
 def test_checkpoint_history_is_chunked_and_exact(big, tmp_path):
     path, want = big
     res = read_results(path)
-    h = results.MetricHistory(K, LAYERS)
+    h = results.MetricHistory(MetricSet(K, LAYERS))
     for i, rnd in enumerate(res["eval"]["round"]):
         h.add_eval(rnd, want["client_accuracy"][i], want["client_loss"][i],
                    {key: 0.5 for key in SUMMARY_KEYS})

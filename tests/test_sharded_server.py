@@ -28,7 +28,7 @@ import pytest
 from mpifl.core.errors import OutputError
 from mpifl.store import checkpoint
 from mpifl.store.checkpoint import Checkpoint
-from mpifl.store.results import MetricHistory
+from mpifl.store.results import MetricHistory, MetricSet
 from tests.helpers import write_fmnist_job
 from tests.test_resume import contents, run
 
@@ -196,7 +196,7 @@ def test_setups_that_cannot_shard_are_refused_before_anything_is_replaced(
 # ---- the checkpoint files, without MPI ---------------------------------------------------------
 
 def _checkpoint(rounds_done: int, bounds: np.ndarray | None, state: dict) -> Checkpoint:
-    h = MetricHistory(num_clients=2, num_layers=1)
+    h = MetricHistory(MetricSet(num_clients=2, num_layers=1))
     return Checkpoint(rounds_done, np.zeros(int(bounds[-1]) if bounds is not None else 3,
                                             np.float32),
                       state, h, '{"run": {}}', 3, None, bounds)

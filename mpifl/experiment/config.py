@@ -695,6 +695,13 @@ def _check_consistency(cfg: Config) -> None:
         if s.meta:
             raise ConfigError("server.shards: FedMeta's meta step (server.meta) trains the whole "
                               "model at one place; set server.shards = 1 or server.meta = false")
+    sim = cfg.system
+    if (rule.needs.asynchronous and sim.enabled
+            and (sim.deadline_s is not None or sim.over_commit)):
+        raise ConfigError(f"system.deadline_s, system.over_commit: {s.algorithm} is "
+                          "asynchronous, with no round to time out or over-commit "
+                          f"({s.algorithm}.concurrency sets how many clients train at once); "
+                          "leave both unset")
     if meta and cfg.fedmeta.meta_sampling == "group_balanced" and without_groups:
         raise ConfigError(f"fedmeta.meta_sampling: 'group_balanced' needs a dataset with a "
                           f"sensitive attribute ({with_groups}), got '{d.dataset}'")

@@ -123,13 +123,7 @@ def make_plan(cfg: Config) -> Plan:
     rule = aggregators.rule(server.algorithm)
     text = cfg.to_json()
     return Plan(
-        rounds=RoundPlan(run.name, run.seed, run.rounds, server.clients_per_round,
-                         server.sampling, client.lr, client.lr_decay, client.dropout,
-                         server.max_update_norm, run.eval_every, *_checkpoints(run),
-                         run.progress_every_s, run.adapt_epochs > 0,
-                         server.algorithm, text, run.eval_clients, run.full_eval_every,
-                         DEFAULT_SHARE if run.checkpoint_every is None else 0.0,
-                         eval_window_samples=run.eval_window_samples),
+        rounds=_round_plan(cfg, text),
         rule=server.algorithm, rule_params=cfg.algorithm_params(), needs=rule.needs,
         personal=isinstance(rule, aggregators.PersonalModels), seed=run.seed, data=cfg.data, model=cfg.model,
         trainer=_trainer_plan(cfg, rule),
@@ -148,11 +142,23 @@ def make_plan(cfg: Config) -> Plan:
         system=cfg.system if cfg.system.enabled else None, epochs=client.epochs)
 
 
-def _checkpoints(run) -> tuple[int, float]:
-    """Rounds and minutes between checkpoints; ``checkpoint_every`` not set: 2% of the rounds
-    (:func:`mpifl.runtime.schedule.default_every`)."""
-    every = default_every(run.rounds) if run.checkpoint_every is None else run.checkpoint_every
-    return every, run.checkpoint_minutes
+def _round_plan(cfg: Config, config_json: str) -> RoundPlan:
+    """Rank 0's round loop; ``run.checkpoint_every`` not set: 2% of the rounds
+    (:func:`mpifl.runtime.schedule.default_every`), under the default share of the run's time."""
+    run, client, server = cfg.run, cfg.client, cfg.server
+    default = run.checkpoint_every is None
+    return RoundPlan(
+        name=run.name, seed=run.seed, rounds=run.rounds,
+        clients_per_round=server.clients_per_round, sampling=server.sampling, lr=client.lr,
+        lr_decay=client.lr_decay, dropout=client.dropout, max_update_norm=server.max_update_norm,
+        eval_every=run.eval_every,
+        checkpoint_every=(default_every(run.rounds) if run.checkpoint_every is None
+                          else run.checkpoint_every),
+        checkpoint_minutes=run.checkpoint_minutes, progress_every_s=run.progress_every_s,
+        adapt=run.adapt_epochs > 0, rule=server.algorithm, config_json=config_json,
+        eval_clients=run.eval_clients, full_eval_every=run.full_eval_every,
+        checkpoint_share=DEFAULT_SHARE if default else 0.0,
+        eval_window_samples=run.eval_window_samples)
 
 
 def _trainer_plan(cfg: Config, rule) -> TrainerPlan:

@@ -18,7 +18,6 @@ import shutil
 import socket
 import sys
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -43,7 +42,7 @@ from mpifl.runtime.protocol import MPITransport
 from mpifl.runtime.loggers import LoggerSet
 from mpifl.clients.system import SystemModel
 from mpifl.runtime.asynchronous import AsyncServer
-from mpifl.runtime.server import Server
+from mpifl.runtime.server import Server, ServerSetup
 from mpifl.runtime.shard_comm import MPIShardCollectives
 from mpifl.runtime.sharding import ShardServer
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
@@ -51,7 +50,7 @@ from mpifl.runtime.threads import (apply_threads, decide_threads, node_ranks, th
                                    usable_cores)
 from mpifl.runtime.worker import serve
 from mpifl.store import checkpoint
-from mpifl.store.results import LocalState, ResultsWriter, preflight, read_results
+from mpifl.store.results import LocalState, MetricSet, ResultsWriter, preflight, read_results
 
 log = logging.getLogger("mpifl")
 
@@ -430,13 +429,12 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
     w, first = parts.w0, 0
     if start.ckpt is not None:
         w, first = torch.from_numpy(start.ckpt.w), start.ckpt.round
-    writer = ResultsWriter(out, plan.rounds.config_json, world_size=size,
-                           num_clients=parts.fed.num_clients,
-                           num_layers=len(parts.layout.layers), algorithm=plan.rule,
-                           group_metrics=parts.num_groups > 0,
-                           personal_metrics=isinstance(own.aggregator, PersonalModels),
-                           adapted_metrics=plan.adapt is not None,
-                           loss_metrics=not parts.loss.classification,
+    metrics = MetricSet(parts.fed.num_clients, len(parts.layout.layers),
+                        group=parts.num_groups > 0,
+                        personal=isinstance(own.aggregator, PersonalModels),
+                        adapted=plan.adapt is not None, loss=not parts.loss.classification)
+    writer = ResultsWriter(out, plan.rounds.config_json, metrics, world_size=size,
+                           algorithm=plan.rule,
                            history=start.ckpt.history if start.ckpt else None,
                            clients=_client_table(parts.fed))
     path, why = own.trainer_path
@@ -450,12 +448,12 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
     if clock is not None:
         writer.system = (clock.tables, clock.system.tier_names)
     try:
-        make = (_async_server(plan, parts, start, writer) if asynchronous
-                else partial(Server, clock=clock))
-        server = make(plan.rounds, parts.fed, parts.layout, clients, own.aggregator, writer,
-                      device, checkpoints=checkpoint.folder_for(out), stop=stop,
-                      world_size=size, meta=own.meta, loggers=loggers, shard=shard,
-                      local=own.local, optimizer=own.optimizer)
+        driven = ServerSetup(parts.fed, parts.layout, clients, own.aggregator, writer, device,
+                             checkpoints=checkpoint.folder_for(out), stop=stop,
+                             world_size=size, meta=own.meta, loggers=loggers, shard=shard,
+                             local=own.local, optimizer=own.optimizer, clock=clock)
+        server = (_async_server(plan, driven, start, writer) if asynchronous
+                  else Server(plan.rounds, driven))
         w, finished = server.run(w, start=first, progress=progress)
         if finished:
             layers = [(layer.name, layer.start, layer.stop) for layer in parts.layout.layers]
@@ -474,38 +472,27 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
     return code
 
 
-def _async_server(plan: Plan, parts, start: Start, writer: ResultsWriter
-                  ) -> Callable[..., AsyncServer]:
-    """Builds an asynchronous rule's server (:class:`mpifl.runtime.asynchronous.AsyncServer`)
-    from Server's arguments: on the ``[system]`` model when enabled (else equal speeds), its
-    state restored from the checkpoint, its tables for the results file's /system.
+def _async_server(plan: Plan, driven: ServerSetup, start: Start, writer: ResultsWriter
+                  ) -> AsyncServer:
+    """An asynchronous rule's server (:class:`mpifl.runtime.asynchronous.AsyncServer`) driving
+    ``driven``: on the ``[system]`` model when enabled (else equal speeds), its state restored
+    from the checkpoint, its tables for the results file's /system.
 
     Raises:
-        ConfigError: ``system.deadline_s`` or ``system.over_commit`` set (synchronous rounds
-            only).
         OutputError: the checkpoint lacks the asynchronous server's state.
     """
-    s, system = plan.system, None
-    if s is not None:
-        if s.deadline_s is not None or s.over_commit:
-            raise ConfigError(f"system.deadline_s, system.over_commit: {plan.rule} is "
-                              "asynchronous, with no round to time out or over-commit "
-                              f"({plan.rule}.concurrency sets how many clients train at once); "
-                              "leave both unset")
-        system = SystemModel(s, plan.seed, parts.fed.num_clients,
-                             model_bytes=4 * parts.layout.d)
-
-    def make(*args, **kwargs) -> AsyncServer:
-        server = AsyncServer(*args, system=system, epochs=plan.epochs, **kwargs)
-        if start.ckpt is not None:
-            try:
-                server.load_state_dict(start.ckpt.server_state)
-            except ValueError as exc:
-                raise OutputError(f"{start.ckpt.path}: {exc}") from None
-        writer.system = (server.tables, server.tier_names)
-        return server
-
-    return make
+    system = None  # deadline_s and over_commit were refused with the config
+    if plan.system is not None:
+        system = SystemModel(plan.system, plan.seed, driven.fed.num_clients,
+                             model_bytes=4 * driven.layout.d)
+    server = AsyncServer(plan.rounds, driven, system=system, epochs=plan.epochs)
+    if start.ckpt is not None:
+        try:
+            server.load_state_dict(start.ckpt.server_state)
+        except ValueError as exc:
+            raise OutputError(f"{start.ckpt.path}: {exc}") from None
+    writer.system = (server.tables, server.tier_names)
+    return server
 
 
 def _client_table(fed) -> dict[str, np.ndarray]:

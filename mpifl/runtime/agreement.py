@@ -27,12 +27,12 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Generic, Iterator, TypeVar, cast
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar, cast
 
 import numpy as np
 
 from mpifl.core.errors import EXIT_BAD_INPUT, MpiflError
-from mpifl.runtime.comm import ABORT_GRACE_S
+from mpifl.runtime.comm import ABORT_GRACE_S, Pending
 from mpifl.runtime.installs import rank_ranges
 from mpifl.runtime.signals import EXIT_CHECKPOINTED, StopRequest
 
@@ -90,7 +90,7 @@ class Outcome(Generic[T]):
             self.error = one_line(exc)
             log.debug("set-up failed", exc_info=True)
 
-    def get(self):
+    def get(self) -> T:
         """The value (raises :class:`MpiflError` with the error, if the attempt failed)."""
         if self.error is not None:
             raise self.exc if self.exc is not None else _error(self.error, self.status)
@@ -107,7 +107,7 @@ class SetUp:
         stop: this process's stop request (signals seen so far).
     """
 
-    def __init__(self, comm, timeout_s: float, stop: StopRequest) -> None:
+    def __init__(self, comm: Any, timeout_s: float, stop: StopRequest) -> None:
         self.comm, self.timeout_s, self.stop = comm, float(timeout_s), stop
         self.size = comm.Get_size() if comm is not None else 1
         self.rank = comm.Get_rank() if comm is not None else 0
@@ -161,16 +161,16 @@ class SetUp:
         if self.size == 1:
             return cast(T, value)  # rank 0's own
         self._arrive(name)
-        return self.comm.bcast(value, root=0)
+        return cast(T, self.comm.bcast(value, root=0))  # mpi4py's objects are untyped
 
     def gather(self, name: str, value: T) -> list[T] | None:
         """Every rank's ``value`` on rank 0 (None elsewhere)."""
         if self.size == 1:
             return [value]
         self._arrive(name)
-        return self.comm.gather(value, root=0)
+        return cast("list[T] | None", self.comm.gather(value, root=0))
 
-    def split(self, name: str, member: bool):
+    def split(self, name: str, member: bool) -> Any:
         """A communicator of the ranks with ``member`` True, in rank order (None elsewhere)."""
         from mpi4py import MPI
 
@@ -182,7 +182,7 @@ class SetUp:
         if self.size == 1:
             return [value]
         self._arrive(name)
-        return self.comm.allgather(value)
+        return cast("list[T]", self.comm.allgather(value))
 
     def together(self, name: str, fn: Callable[[object], T]) -> T:
         """``fn(comm)`` on every rank once all have arrived (a collective over the world
@@ -239,7 +239,7 @@ class SetUp:
         os._exit(EXIT_BAD_INPUT)  # MPICH's MPI_Abort can return while a peer is stopped
 
 
-def _wait(requests, timeout_s: float) -> list[int]:
+def _wait(requests: Sequence[Pending], timeout_s: float) -> list[int]:
     """Test ``requests`` until all complete or ``timeout_s`` passes, sleeping between tests
     (no spinning: ranks share cores). The indices of those still pending ([] when all done)."""
     pending, pause, start = list(range(len(requests))), 1e-4, time.monotonic()

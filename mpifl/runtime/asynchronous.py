@@ -41,7 +41,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,11 +53,17 @@ from mpifl.clients.faults import accepted, dropped_out
 from mpifl.core.errors import ConfigError, MpiflError
 from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.summary import count_conflicts, count_layer_conflicts
-from mpifl.runtime.server import Server
+from mpifl.clients.system import SystemModel
+from mpifl.runtime.clock import system_tables
+from mpifl.runtime.plan import RoundPlan
+from mpifl.runtime.server import Server, ServerSetup
 
 __all__ = ["AsyncServer", "Flight"]
 
 log = logging.getLogger("mpifl.server")
+
+#: a buffer's training: ``(updates, losses, stats)`` in the order of its client ids
+Trained = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 _FLIGHT = ("ids", "version", "start", "finish", "until")
 
@@ -125,7 +133,7 @@ class AsyncServer(Server):
     """The round loop of rank 0 for an asynchronous rule (module docstring).
 
     Args:
-        *args, **kwargs: :class:`mpifl.runtime.server.Server`'s (without ``clock``).
+        plan, parts: :class:`mpifl.runtime.server.Server`'s (``parts.clock`` None).
         system: the clients' devices and availability (:class:`mpifl.clients.system.
             SystemModel`), or None: every client takes 1 simulated second, always available.
         epochs: local epochs a round (the system model's local work).
@@ -139,8 +147,9 @@ class AsyncServer(Server):
     COUNTERS = {"participations": np.int64, "finished": np.int64, "late": np.int64,
                 "busy_s": np.float64}
 
-    def __init__(self, *args, system=None, epochs: int = 1, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, plan: RoundPlan, parts: ServerSetup, *, system: SystemModel | None = None,
+                 epochs: int = 1) -> None:
+        super().__init__(plan, parts)
         agg, name = self.aggregator, self.plan.rule
         if not agg.needs.asynchronous:
             raise ConfigError(f"server.algorithm: '{name}' is not an asynchronous rule")
@@ -148,7 +157,9 @@ class AsyncServer(Server):
             raise ConfigError(f"server: '{name}' is asynchronous; it runs on one server "
                               "(server.shards = 1) with its own simulated time")
         try:
-            self.buffer, self.concurrency = int(agg.buffer_size), int(agg.concurrency)
+            # declared by the rule's needs (mpifl.aggregators.Needs.asynchronous), not the base
+            self.buffer = int(getattr(agg, "buffer_size"))  # noqa: B009
+            self.concurrency = int(getattr(agg, "concurrency"))  # noqa: B009
         except (AttributeError, TypeError, ValueError):
             raise ConfigError(f"server.algorithm: '{name}' is asynchronous but has no int "
                               "buffer_size and concurrency (mpifl.aggregators.Needs)") from None
@@ -230,7 +241,7 @@ class AsyncServer(Server):
 
     # ------------------------------------------------------------------ one step
 
-    def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+    def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """Server step ``rnd`` (module docstring): the parameters after it and its /rounds row;
         None when a stop request dropped it before anything of it was kept."""
         if self._stopping():
@@ -258,7 +269,7 @@ class AsyncServer(Server):
         return w if version == rnd else self.versions[version]
 
     def _train(self, rnd: int, w: torch.Tensor, ids: np.ndarray, versions: np.ndarray,
-               row: dict) -> tuple | None:
+               row: dict[str, Any]) -> Trained | None:
         """Trains the buffered clients, one call per start version; ``(updates, losses,
         stats)`` in the order of ``ids``, or None when a stop request came meanwhile."""
         agg, lines = self.aggregator, self.lines
@@ -284,7 +295,8 @@ class AsyncServer(Server):
             row["peak_rss_worker_mb"] = max(row["peak_rss_worker_mb"], res.peak_rss_worker / 2**20)
         where = np.argsort(np.concatenate([g for g, _ in parts]), kind="stable")
         pick = torch.from_numpy(where).to(parts[0][1].updates.device)
-        cat = lambda xs: torch.cat(list(xs))[pick]  # noqa: E731 -- back to the order of ids
+        cat: Callable[[Iterable[torch.Tensor]], torch.Tensor] = (  # noqa: E731
+            lambda xs: torch.cat(list(xs))[pick])  # back to the order of ids
         updates = cat(r.updates for _, r in parts)
         losses = cat(r.losses for _, r in parts)
         stats = {k: cat(r.stats[k] for _, r in parts) for k in parts[0][1].stats}
@@ -297,7 +309,7 @@ class AsyncServer(Server):
         return updates, losses, stats
 
     def _apply(self, rnd: int, w: torch.Tensor, ids: np.ndarray, versions: np.ndarray,
-               res: tuple, row: dict) -> torch.Tensor:
+               res: Trained, row: dict[str, Any]) -> torch.Tensor:
         """Aggregation of the trained buffer (as :meth:`Server._round` aggregates)."""
         updates, losses, stats = res
         self.lines.begin("aggregation", rnd + 1)
@@ -356,7 +368,7 @@ class AsyncServer(Server):
 
     # ------------------------------------------------------------------ state
 
-    def _server_state(self) -> dict[str, np.ndarray]:
+    def _server_state(self) -> dict[str, np.ndarray | np.generic]:
         """Server's state plus ``async_*``: the simulated time, the flight, the model
         versions it references, the counters and the per-step table."""
         state = super()._server_state()
@@ -407,12 +419,7 @@ class AsyncServer(Server):
         rows = np.asarray(self.steps, dtype=np.float64).reshape(-1, 5)
         tier = (np.zeros(self.fed.num_clients, np.int64) if self.system is None
                 else np.asarray(self.system.tier, dtype=np.int64))
-        out = {"rounds/sim_time": rows[:, 0], "rounds/selected": rows[:, 1].astype(np.int64),
-               "rounds/finished": rows[:, 2].astype(np.int64),
-               "rounds/late": rows[:, 3].astype(np.int64), "clients/tier": tier,
-               **{f"clients/{k}": v for k, v in self.counters.items()},
-               "rounds/staleness": rows[:, 4]}
-        return out
+        return {**system_tables(rows, tier, self.counters), "rounds/staleness": rows[:, 4]}
 
     @property
     def tier_names(self) -> list[str]:

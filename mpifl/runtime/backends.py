@@ -8,18 +8,19 @@ back with the results for /rounds.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from mpifl.clients.interface import ClientTrainer
+from mpifl.core.wire import Columns
 from mpifl.runtime.comm import (peak_rss_bytes, rank_counts, release_free_memory,
                                 split_by_samples)
-from mpifl.runtime.protocol import EvalReply, MPITransport
+from mpifl.runtime.protocol import EvalReply, Evaluated, MPITransport
 
 
 @dataclass
@@ -35,14 +36,14 @@ class TrainResult:
     peak_rss_worker: float  # bytes, largest over the worker ranks (rank 0 in one process)
 
 
-def num_groups(fed) -> int:
+def num_groups(fed: Any) -> int:
     """G sensitive groups of a binary task with a sensitive attribute (group metrics), else 0."""
     if getattr(fed, "sensitive", None) is None or fed.num_classes != 2:
         return 0
     return int(fed.sensitive.max()) + 1
 
 
-def group_setup(fed, device: torch.device) -> tuple[torch.Tensor, int] | None:
+def group_setup(fed: Any, device: torch.device) -> tuple[torch.Tensor, int] | None:
     """(sensitive (N,) int64 on ``device``, G) for binary tasks with a sensitive attribute."""
     g = num_groups(fed)
     return (torch.from_numpy(fed.sensitive).to(device), g) if g else None
@@ -53,7 +54,8 @@ def stats_width(num_groups: int) -> int:
     return num_groups * 2 * 3
 
 
-def evaluate(trainer, w: torch.Tensor, idx, groups, local: torch.Tensor | None = None
+def evaluate(trainer: ClientTrainer, w: torch.Tensor, idx: Sequence[np.ndarray],
+             groups: tuple[torch.Tensor, int] | None, local: torch.Tensor | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Accuracy, loss and (with ``groups``) flat (n, G*2*3) group counts of some clients; with
     ``local`` (n, s) rows each client is evaluated with its own local coordinates."""
@@ -78,7 +80,8 @@ OnProgress = Callable[[int, int], bool]
 
 
 @contextmanager
-def client_rows(fed, client_ids: np.ndarray, *trainers) -> Iterator[tuple[list, list]]:
+def client_rows(fed: Any, client_ids: np.ndarray, *trainers: ClientTrainer | None
+                ) -> Iterator[tuple[list[np.ndarray], list[np.ndarray]]]:
     """The clients' rows in the trainers' sample store: ``(train, test)``, each a list of (n_k,)
     int64 index arrays in the order of ``client_ids``.
 
@@ -104,7 +107,7 @@ def client_rows(fed, client_ids: np.ndarray, *trainers) -> Iterator[tuple[list, 
         release_free_memory()
 
 
-def stream_blocks(fed, client_ids: np.ndarray, window: int | None = None
+def stream_blocks(fed: Any, client_ids: np.ndarray, window: int | None = None
                   ) -> list[tuple[int, int]]:
     """``[(lo, hi), ...]`` consecutive blocks of ``client_ids`` evaluated at once: one block for
     eager data; for a lazy population, windows of about ``window`` samples (at least one client
@@ -121,24 +124,10 @@ def stream_blocks(fed, client_ids: np.ndarray, window: int | None = None
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-@dataclass
-class Evaluated:
-    """One rank's evaluation of some clients, each array in the order of the clients: (n,)
-    float64 accuracies and losses, (n, G*2*3) group counts or None, and the (accuracy, loss)
-    pairs at the personal models and after local adaptation, or None."""
-
-    accuracy: np.ndarray
-    loss: np.ndarray
-    counts: np.ndarray | None = None
-    personal: tuple[np.ndarray, np.ndarray] | None = None
-    adapted: tuple[np.ndarray, np.ndarray] | None = None
-    #: False: stopped between windows (``on_progress``); the clients not reached are NaN
-    complete: bool = True
-
-
-def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, groups,
+def evaluate_clients(trainer: ClientTrainer, fed: Any, w: torch.Tensor, client_ids: np.ndarray,
+                     groups: tuple[torch.Tensor, int] | None,
                      personal: torch.Tensor | None = None, local: torch.Tensor | None = None,
-                     adapter=None, adapt: tuple[int, float] | None = None,
+                     adapter: ClientTrainer | None = None, adapt: tuple[int, float] | None = None,
                      window: int | None = None, on_progress: OnProgress | None = None
                      ) -> Evaluated:
     """Evaluate the clients ``client_ids`` at ``w`` (block by block, :func:`stream_blocks`).
@@ -163,7 +152,8 @@ def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, grou
     """
     if adapt is not None and adapter is None:
         raise RuntimeError("an adapted evaluation was requested but run.adapt_epochs is 0 here")
-    parts, n = [], len(client_ids)
+    parts: list[Evaluated] = []
+    n = len(client_ids)
     for lo, hi in stream_blocks(fed, client_ids, window):
         if on_progress is not None and not on_progress(lo, n):
             width = 0 if groups is None else stats_width(groups[1])
@@ -174,8 +164,10 @@ def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, grou
             acc, loss, counts = evaluate(trainer, w, test, groups,
                                          None if local is None else local[lo:hi])
             own = None if personal is None else trainer.evaluate_each(personal[lo:hi], test)
-            adapted = (None if adapt is None else
-                       adapter.evaluate_adapted(w, adapt[0], adapt[1], ids, train, test))
+            adapted = None
+            if adapt is not None:
+                assert adapter is not None  # checked above
+                adapted = adapter.evaluate_adapted(w, adapt[0], adapt[1], ids, train, test)
         parts.append(Evaluated(acc, loss, counts, own, adapted))
     if on_progress is not None:
         on_progress(n, n)
@@ -184,14 +176,14 @@ def evaluate_clients(trainer, fed, w: torch.Tensor, client_ids: np.ndarray, grou
 
 def _unreached(n: int, width: int, personal: bool, adapted: bool) -> Evaluated:
     """NaN rows for ``n`` clients a stopped evaluation did not reach, shaped as the others."""
-    nan = lambda *shape: np.full(shape, np.nan)  # noqa: E731
+    nan: Callable[..., np.ndarray] = lambda *shape: np.full(shape, np.nan)  # noqa: E731
     return Evaluated(nan(n), nan(n), nan(n, width) if width else None,
                      (nan(n), nan(n)) if personal else None, (nan(n), nan(n)) if adapted else None)
 
 
 def _joined(parts: list[Evaluated], complete: bool = True) -> Evaluated:
     """The blocks of one evaluation as one."""
-    def cat(name: str):
+    def cat(name: str) -> Any:  # an array, an (accuracy, loss) pair or None, by name
         first = getattr(parts[0], name)
         if first is None:
             return None
@@ -203,7 +195,8 @@ def _joined(parts: list[Evaluated], complete: bool = True) -> Evaluated:
                      complete=complete)
 
 
-def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, torch.Tensor]:
+def shape_stats(columns: Columns, stats: dict[str, torch.Tensor], m: int
+                ) -> dict[str, torch.Tensor]:
     """A trainer's statistics in the shapes :func:`split_stats` gives (float32, (m,) when the
     width is 1, else (m, width)), without gathering them into one buffer first."""
     out = {}
@@ -213,7 +206,7 @@ def shape_stats(columns, stats: dict[str, torch.Tensor], m: int) -> dict[str, to
     return out
 
 
-def split_stats(columns, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def split_stats(columns: Columns, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Cut gathered (m, S) statistics rows into the named columns ((m,) when the width is 1)."""
     out, at = {}, 0
     for name, width in columns.stats:
@@ -224,7 +217,7 @@ def split_stats(columns, rows: torch.Tensor | None) -> dict[str, torch.Tensor]:
     return out
 
 
-def stats_rows(columns, stats: dict[str, torch.Tensor], m: int) -> torch.Tensor:
+def stats_rows(columns: Columns, stats: dict[str, torch.Tensor], m: int) -> torch.Tensor:
     """Inverse of :func:`split_stats`: one (m, S) float32 tensor in ``columns.stats`` order."""
     parts = [stats[name].reshape(m, width).float() for name, width in columns.stats]
     return torch.cat(parts, dim=1) if parts else torch.empty(m, 0)
@@ -268,8 +261,8 @@ class LocalClients:
             = 0; see :func:`mpifl.experiment.assemble.make_adapter`).
     """
 
-    def __init__(self, trainer: ClientTrainer, fed, device: torch.device,
-                 adapter: ClientTrainer | None = None):
+    def __init__(self, trainer: ClientTrainer, fed: Any, device: torch.device,
+                 adapter: ClientTrainer | None = None) -> None:
         self.trainer, self.fed, self.adapter = trainer, fed, adapter
         self.groups = group_setup(fed, device)
 
@@ -305,11 +298,8 @@ class LocalClients:
         ids = np.arange(self.fed.num_clients) if ids is None else ids
         out = evaluate_clients(self.trainer, self.fed, w, ids, self.groups, personal, local,
                                self.adapter, adapt, window, on_progress)
-        reply = EvalReply(out.accuracy, out.loss, out.counts, stopped=not out.complete)
-        if out.personal is not None:
-            reply.personal_accuracy, reply.personal_loss = out.personal
-        if out.adapted is not None:
-            reply.adapted_accuracy, reply.adapted_loss = out.adapted
+        reply = EvalReply(out.accuracy, out.loss, out.counts, out.personal, out.adapted,
+                          stopped=not out.complete)
         reply.peak_rss = np.array([float(peak_rss_bytes())])
         return reply
 
@@ -326,7 +316,7 @@ class RemoteClients:
         device: where the server keeps the gathered updates.
     """
 
-    def __init__(self, transport: MPITransport, fed, device: torch.device):
+    def __init__(self, transport: MPITransport, fed: Any, device: torch.device) -> None:
         self.transport, self.fed, self.device = transport, fed, device
         bounds = split_by_samples(fed.num_test, transport.workers)
         self._eval_counts = rank_counts(bounds)
@@ -344,13 +334,14 @@ class RemoteClients:
             None if state is None else state.detach().cpu().numpy(), phase)
         waited = time.perf_counter() - t0 - rep.time_broadcast
         slowest = float(rep.seconds[1:].max())
-        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        to: Callable[[np.ndarray], torch.Tensor] = (  # noqa: E731
+            lambda a: torch.from_numpy(a).to(self.device))
         stats = split_stats(self.transport.columns, None if rep.stats is None else to(rep.stats))
         return TrainResult(to(rep.updates), to(rep.losses), stats, rep.time_broadcast, slowest,
                            max(0.0, waited - slowest), rep.bytes_moved, float(rep.peak_rss[0]),
                            float(rep.peak_rss[1:].max()))
 
-    def checkpoint_shards(self, rounds_done: int, write) -> np.ndarray:
+    def checkpoint_shards(self, rounds_done: int, write: Callable[[], float]) -> np.ndarray:
         """Sharded server: every shard rank writes its checkpoint file (``write()`` here on
         rank 0); (world size,) float64 status, 0 = written or nothing to write."""
         return self.transport.checkpoint.request(rounds_done, write)
@@ -358,8 +349,8 @@ class RemoteClients:
     def losses(self, client_ids: np.ndarray, w: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(m,) float32 mean training losses of the clients at ``w`` (a LOSSES request)."""
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
-        loss, nbytes = self.transport.losses.request(client_ids, w.detach().cpu().numpy(), bounds)
-        return torch.from_numpy(loss).to(self.device), nbytes
+        rep = self.transport.losses.request(client_ids, w.detach().cpu().numpy(), bounds)
+        return torch.from_numpy(rep.losses).to(self.device), rep.bytes_moved
 
     def evaluate(self, w: torch.Tensor, personal: torch.Tensor | None = None,
                  adapt: tuple[int, float] | None = None,

@@ -10,6 +10,9 @@ checkpoints the rows (``client_state/local_rows``), so a resumed run is exact.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -45,7 +48,7 @@ class LocalCoordinates:
     def state_dict(self) -> dict[str, np.ndarray]:
         return {"local_rows": self.rows.numpy().copy(), "local_index": self.index.copy()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         rows, index = np.asarray(state["local_rows"]), np.asarray(state["local_index"])
         if rows.shape != tuple(self.rows.shape) or not np.array_equal(index, self.index):
             raise ValueError(f"checkpointed local coordinates {rows.shape} do not match this "

@@ -28,10 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mpifl.core.rng import SAMPLING_TAG
+
+if TYPE_CHECKING:  # annotations only
+    from mpifl.clients.system import SystemModel
 
 __all__ = ["Clock", "RoundTime"]
 
@@ -72,7 +76,7 @@ class Clock:
     COUNTERS = {"participations": np.int64, "finished": np.int64, "late": np.int64,
                 "busy_s": np.float64}
 
-    def __init__(self, system, num_train: np.ndarray, epochs: int, seed: int,
+    def __init__(self, system: SystemModel, num_train: np.ndarray, epochs: int, seed: int,
                  deadline_s: float | None = None, over_commit: float = 0.0) -> None:
         self.system, self.num_train = system, np.asarray(num_train, dtype=np.int64)
         self.epochs, self.seed = int(epochs), int(seed)
@@ -170,8 +174,21 @@ class Clock:
         """What the results file's /system group holds: per round the simulated end time (s)
         and the clients selected, finished and late; per client its tier and counters."""
         rows = np.asarray(self.rounds, dtype=np.float64).reshape(-1, 4)
-        return {"rounds/sim_time": rows[:, 0], "rounds/selected": rows[:, 1].astype(np.int64),
-                "rounds/finished": rows[:, 2].astype(np.int64),
-                "rounds/late": rows[:, 3].astype(np.int64),
-                "clients/tier": np.asarray(self.system.tier, dtype=np.int64),
-                **{f"clients/{k}": v for k, v in self.counters.items()}}
+        return system_tables(rows, np.asarray(self.system.tier, dtype=np.int64), self.counters)
+
+
+def system_tables(rows: np.ndarray, tier: np.ndarray, counters: dict[str, np.ndarray]
+                  ) -> dict[str, np.ndarray]:
+    """The results file's /system tables (SYSTEM_COLUMNS) of a run on simulated time, shared
+    by :class:`Clock` and :class:`mpifl.runtime.asynchronous.AsyncServer`.
+
+    Args:
+        rows: (R, >= 4) float64 per round: simulated end time (s), clients selected, finished
+            and late.
+        tier: (K,) int64 each client's device tier.
+        counters: per-client counters, name -> (K,) array.
+    """
+    return {"rounds/sim_time": rows[:, 0], "rounds/selected": rows[:, 1].astype(np.int64),
+            "rounds/finished": rows[:, 2].astype(np.int64),
+            "rounds/late": rows[:, 3].astype(np.int64), "clients/tier": tier,
+            **{f"clients/{k}": v for k, v in counters.items()}}

@@ -17,6 +17,8 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,7 +29,14 @@ from mpifl.runtime import init_watch
 ABORT_GRACE_S = 0.5
 
 
-def wait_idle(request, max_sleep: float = 2e-4, timeout: float = 0.0, waiting_for: str = "") -> None:
+class Pending(Protocol):
+    """What :func:`wait_idle` completes: an mpi4py request, or any object testing one."""
+
+    def Test(self) -> bool: ...  # noqa: N802 -- mpi4py's name
+
+
+def wait_idle(request: Pending, max_sleep: float = 2e-4, timeout: float = 0.0,
+              waiting_for: str = "") -> None:
     """Complete an MPI request without holding a core while it is pending.
 
     Tests the request, sleeping between tests with a pause that doubles from 1 us up to
@@ -48,7 +57,7 @@ def wait_idle(request, max_sleep: float = 2e-4, timeout: float = 0.0, waiting_fo
         pause = min(2 * pause, max_sleep)
 
 
-def world(init_timeout_s: float = 0.0):
+def world(init_timeout_s: float = 0.0) -> Any:
     """The MPI world communicator, or None when mpi4py is not installed.
 
     Args:
@@ -133,7 +142,7 @@ def rank_counts(bounds: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.diff(bounds)]).astype(np.int64)
 
 
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, or None (another C library)."""
     try:
         return ctypes.CDLL(None).malloc_trim

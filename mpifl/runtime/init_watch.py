@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from mpifl.runtime.installs import rank_ranges
@@ -123,7 +124,7 @@ def message(rank: int, size: int, timeout_s: float, here: list[int] | None,
             "say why) or the launcher's PMI exchange broke" + tail)
 
 
-def launched_node_size(environ=os.environ) -> int | None:
+def launched_node_size(environ: Mapping[str, str] = os.environ) -> int | None:
     """Ranks the launcher started on this node, from its environment (None: not known)."""
     for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         if environ.get(var, "").isdigit():
@@ -134,7 +135,8 @@ def launched_node_size(environ=os.environ) -> int | None:
     return None
 
 
-def start(timeout_s: float, rank: int, size: int, agent: int | None) -> subprocess.Popen:
+def start(timeout_s: float, rank: int, size: int, agent: int | None
+          ) -> subprocess.Popen[bytes]:
     """Start the watchdog of this process (it waits for its standard input to close: close it
     when MPI_Init returned)."""
     return subprocess.Popen(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from mpifl.core.version import __version__
@@ -27,7 +28,7 @@ def this_install() -> tuple[str, str, str, str]:
     return str(PACKAGE), __version__, sys.executable, platform.python_version()
 
 
-def describe(install: tuple[str, str, str, str]) -> str:
+def describe(install: tuple[str, ...]) -> str:
     path, version, python, python_version = install
     return f"{path} (python {python} {python_version}, mpifl {version})"
 
@@ -46,7 +47,7 @@ def rank_ranges(ranks: list[int]) -> str:
 def mismatch(installs: list[tuple[str, str, str, str]]) -> str | None:
     """The one-line error when the ranks (``installs[r]`` is rank r's :func:`this_install`) do
     not all run the same install and interpreter; None when they do."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[str, ...], list[int]] = {}
     for rank, install in enumerate(installs):
         groups.setdefault(tuple(install), []).append(rank)
     if len(groups) == 1:
@@ -59,7 +60,8 @@ def mismatch(installs: list[tuple[str, str, str, str]]) -> str | None:
             'rank runs")')
 
 
-def venv_warning(install: tuple[str, str, str, str], environ=os.environ) -> str | None:
+def venv_warning(install: tuple[str, str, str, str],
+                 environ: Mapping[str, str] = os.environ) -> str | None:
     """A warning when a virtual environment is active (``VIRTUAL_ENV``) but this process runs
     another interpreter: the launcher's PATH found another ``python`` first."""
     venv = environ.get("VIRTUAL_ENV")

@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -253,7 +254,7 @@ class LoggerSet:
             self._guard(name, logger.close, closing=True)
         self.active.clear()
 
-    def _guard(self, name: str, call, closing: bool = False) -> None:
+    def _guard(self, name: str, call: Callable[[], None], closing: bool = False) -> None:
         try:
             call()
         except Exception as exc:  # noqa: BLE001 -- a logger must never end a run

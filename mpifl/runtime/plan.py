@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # 18 fields: built by name, never by position
 class RoundPlan:
     """Rank 0's round loop (:class:`mpifl.runtime.server.Server`): who trains when, and when the
     run evaluates, checkpoints and reports.

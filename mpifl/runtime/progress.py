@@ -22,8 +22,13 @@ import datetime
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # annotations only
+    from mpifl.runtime.plan import RoundPlan
 
 log = logging.getLogger("mpifl.server")
 
@@ -67,8 +72,9 @@ class ProgressLog:
         bar: a tqdm bar whose postfix shows the phase and the run ETA, or None.
     """
 
-    def __init__(self, total: int, start: int, every_s: float, clock=time.monotonic, plan=None,
-                 num_clients: int = 0, bar=None):
+    def __init__(self, total: int, start: int, every_s: float,
+                 clock: Callable[[], float] = time.monotonic, plan: RoundPlan | None = None,
+                 num_clients: int = 0, bar: Any = None) -> None:  # bar: tqdm's (untyped)
         self.total, self.start, self.every_s, self.clock = total, start, float(every_s), clock
         self.plan, self.num_clients, self.bar = plan, num_clients, bar
         self.t0 = self.last = self.round_t0 = clock()
@@ -121,7 +127,7 @@ class ProgressLog:
                 acc[0] += seconds
                 acc[1] += 1
 
-    def round_done(self, rnd: int, row: dict, summary: dict | None) -> bool:
+    def round_done(self, rnd: int, row: dict[str, Any], summary: dict[str, float] | None) -> bool:
         """After round ``rnd`` (0-based): log a line if the interval passed or it evaluated.
         ``row`` is the round's /rounds row (peak memory), ``summary`` its evaluation or None.
         Returns whether a line was logged."""
@@ -182,7 +188,7 @@ class ProgressLog:
         return text
 
     @contextmanager
-    def running(self):
+    def running(self) -> Iterator[ProgressLog]:
         """A heartbeat thread calls :meth:`tick` inside the block, so a phase that is one
         long call (an aggregation, a checkpoint write, a worker's training) still gets its
         lines: it only reads what the main thread sets, and only logs."""
@@ -277,6 +283,7 @@ class ProgressLog:
         for full, count in zip((True, False), due):
             if not count:
                 continue
+            assert self.plan is not None  # without a plan no evaluation is due
             cost = self.eval_cost(full, now)
             kind = ("full " if full else "sampled ") if self.plan.eval_clients else ""
             what = f"{count} {kind}evaluation{'s' * (count > 1)}"
@@ -313,7 +320,7 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 60 else _clock(seconds)
 
 
-def _metrics(summary: dict) -> str:
+def _metrics(summary: dict[str, float]) -> str:
     if "loss/mean" in summary:
         return f"mean loss {summary['loss/mean']:.5g}, worst5 loss {summary['loss/worst5']:.5g}"
     return f"mean acc {summary['mean']:.4f}, worst5 {summary['worst5']:.4f}"

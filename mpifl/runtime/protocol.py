@@ -54,9 +54,12 @@ MPICH's blocking calls spin, and when ranks share cores (3 ranks on a 2-core mac
 spinning ranks take CPU time from the one doing the work.
 
 Each command is a class below (:class:`Train`, :class:`Losses`, :class:`Eval`,
-:class:`Checkpoint`, :class:`Stop`) with rank 0's end (``request``) beside the workers' ends
-(``receive``, the payload after the header, and ``reply``), so the order of their collectives can
-be read, and changed, in one place. They share the buffers and collectives of one :class:`Wire`.
+:class:`Checkpoint`, :class:`Stop`) with rank 0's end (``request``, answered by a named reply
+record) beside the workers' ends (``receive``, the payload after the header; ``serve``, which
+asks the worker's :class:`WorkerRank` for its part and sends it with ``reply``), so the order
+of their collectives can be read, and changed, in one place. A worker's loop is
+:meth:`MPITransport.serve_next` until STOP: it dispatches through the same objects rank 0 uses.
+They share the buffers and collectives of one :class:`Wire`.
 Only upper-case (buffer) mpi4py calls are used in rounds.
 """
 
@@ -64,9 +67,12 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from mpifl.core.wire import Columns
 from mpifl.runtime.comm import ABORT_GRACE_S, peak_rss_bytes, rank_counts, wait_idle
@@ -83,8 +89,8 @@ PROGRESS_TAG, VERDICT_TAG = 0x6D70, 0x6D71
 POLL_S, REPORT_S = 0.05, 0.25
 
 @dataclass
-class TrainRequest:
-    """What a worker receives for one request."""
+class Request:
+    """What a worker receives for one request (any command)."""
 
     command: int
     round: int
@@ -97,6 +103,35 @@ class TrainRequest:
     local: np.ndarray | None = None  # (K_r, s) float32 per-client local coordinates (EVAL)
     adapt: bool = False  # EVAL: evaluate after local adaptation too (round, lr as above)
     window: int = 0  # EVAL: samples of a lazy population's window (0: the default)
+
+
+@dataclass
+class TrainBlock:
+    """A worker's results for one TRAIN request: its block of the selected clients, in
+    client-id order."""
+
+    updates: np.ndarray  # (m_r, d) float32
+    losses: np.ndarray  # (m_r,) float32, the global model's loss before training
+    stats: np.ndarray  # (m_r, S) float32 statistics rows (S = columns.stats_width, may be 0)
+    seconds: float  # training seconds on this rank
+    #: (size,) int64 selected clients per rank (rank_counts), which a sharded server's column
+    #: gathers need
+    per_rank: np.ndarray
+
+
+@dataclass
+class Evaluated:
+    """One rank's evaluation of some clients, each array in the order of the clients: (n,)
+    float64 accuracies and losses, (n, G*2*3) group counts or None, and the (accuracy, loss)
+    pairs at the personal models and after local adaptation, or None."""
+
+    accuracy: np.ndarray
+    loss: np.ndarray
+    counts: np.ndarray | None = None
+    personal: tuple[np.ndarray, np.ndarray] | None = None
+    adapted: tuple[np.ndarray, np.ndarray] | None = None
+    #: False: stopped between windows (``on_progress``); the clients not reached are NaN
+    complete: bool = True
 
 
 @dataclass
@@ -113,16 +148,24 @@ class TrainReply:
 
 
 @dataclass
+class LossesReply:
+    """What rank 0 collects for one LOSSES request."""
+
+    losses: np.ndarray  # (m,) float32 mean training losses in client-id order
+    bytes_moved: int
+
+
+@dataclass
 class EvalReply:
     """What rank 0 collects for one EVAL request (per client, (K,) each)."""
 
     accuracy: np.ndarray
     loss: np.ndarray
     counts: np.ndarray | None = None  # (K, width) float64 group counts
-    personal_accuracy: np.ndarray | None = None
-    personal_loss: np.ndarray | None = None
-    adapted_accuracy: np.ndarray | None = None  # after local adaptation (run.adapt_epochs)
-    adapted_loss: np.ndarray | None = None
+    #: (accuracy, loss) at each client's personal model (Ditto), or None
+    personal: tuple[np.ndarray, np.ndarray] | None = None
+    #: (accuracy, loss) after local adaptation (run.adapt_epochs), or None
+    adapted: tuple[np.ndarray, np.ndarray] | None = None
     bytes_moved: int = 0
     #: (size,) float64 every rank's peak resident bytes (getrusage) after the evaluation
     peak_rss: np.ndarray | None = None
@@ -144,8 +187,8 @@ class Wire:
             rank j), or None: rank 0 gathers the whole updates.
     """
 
-    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
-                 shard_bounds: np.ndarray | None = None):
+    def __init__(self, comm: Any, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
+                 shard_bounds: np.ndarray | None = None) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -164,7 +207,8 @@ class Wire:
         self.shard_bounds = shard_bounds
 
     def bcast_header(self, command: int = 0, rnd: int = 0, lr: float = 0.0, m: int = 0,
-                     flag: int = 0, window: int = 0):
+                     flag: int = 0, window: int = 0
+                     ) -> tuple[int, int, float, int, int, int]:
         if self.rank == 0:
             self.header[:] = (command, rnd, lr, m, flag, window)
         # workers may wait here through a whole aggregation: sleep instead of spinning
@@ -173,7 +217,7 @@ class Wire:
         c, r, lr_, m_, f, win = self.header
         return int(c), int(r), float(lr_), int(m_), int(f), int(win)
 
-    def results_ready(self, poll=None) -> None:
+    def results_ready(self, poll: Callable[[], None] | None = None) -> None:
         """Rank 0 and the workers meet here once every worker has its results, so that rank 0
         sleeps through the workers' training or evaluation instead of spinning in a Gatherv;
         ``poll()`` runs every :data:`POLL_S` meanwhile (rank 0: an evaluation's progress)."""
@@ -181,7 +225,7 @@ class Wire:
         wait_idle(request if poll is None else _Polled(request, poll), timeout=self.peer_timeout,
                   waiting_for="rank 0" if self.rank else "a worker rank")
 
-    def collective(self, name: str, *args, root: int = 0) -> None:
+    def collective(self, name: str, *args: Any, root: int = 0) -> None:
         """Run the blocking collective ``name`` (Bcast, Gatherv, Scatterv, Gather); with a peer
         timeout, its nonblocking form completed under that timeout instead, so that a rank
         that hangs mid-collective cannot hold the others forever."""
@@ -193,15 +237,16 @@ class Wire:
                   timeout=self.peer_timeout, waiting_for="another rank")
 
     def gatherv(self, local: np.ndarray, counts: np.ndarray | None, out: np.ndarray | None,
-                mpitype):
+                mpitype: Any) -> None:
         """Gather contiguous blocks (rank 0 sends nothing) into ``out`` on rank 0."""
         if self.rank == 0:
+            assert counts is not None  # rank 0 passes the blocks it receives
             displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
             self.collective("Gatherv", [local, 0, mpitype], [out, counts, displs, mpitype])
         else:
             self.collective("Gatherv", [local, mpitype], None)
 
-    def send_block(self, a: np.ndarray, dtype=np.float32) -> None:
+    def send_block(self, a: np.ndarray, dtype: npt.DTypeLike = np.float32) -> None:
         """Worker: this rank's contiguous block of a gathered array."""
         mpitype = self.MPI.FLOAT if dtype == np.float32 else self.MPI.DOUBLE
         self.gatherv(np.ascontiguousarray(a, dtype=dtype), None, None, mpitype)
@@ -211,6 +256,7 @@ class Wire:
         """Send contiguous row blocks of ``rows`` (n, width) float32 from rank 0; a worker
         receives its ``mine`` rows."""
         if self.rank == 0:
+            assert counts is not None  # rank 0 passes the blocks it sends
             displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
             self.collective("Scatterv", [np.ascontiguousarray(rows, np.float32), counts, displs,
                                          self.MPI.FLOAT], [np.empty(0, np.float32), self.MPI.FLOAT])
@@ -242,6 +288,7 @@ class Wire:
         """Sharded server: one Gatherv per shard j (root: rank j) of every rank's column block
         j of its (m_r, d) updates; returns this rank's gathered (m, hi - lo) block when it is a
         shard, else None."""
+        assert self.shard_bounds is not None  # called on a sharded server only
         mine, m = None, int(blocks.sum())
         displs = np.concatenate([[0], np.cumsum(blocks[:-1])]).astype(np.int64)
         for j, (lo, hi) in enumerate(zip(self.shard_bounds[:-1], self.shard_bounds[1:])):
@@ -275,7 +322,7 @@ class _Polled:
     """An MPI request whose ``Test`` also runs ``poll()`` every :data:`POLL_S`, so that
     :func:`mpifl.runtime.comm.wait_idle` (its sleeps and its timeout) serves a polling wait."""
 
-    def __init__(self, request, poll) -> None:
+    def __init__(self, request: Any, poll: Callable[[], None]) -> None:
         self.request, self.poll, self.next = request, poll, 0.0
 
     def Test(self) -> bool:  # noqa: N802 -- mpi4py's name
@@ -283,7 +330,8 @@ class _Polled:
         if now >= self.next:
             self.poll()
             self.next = now + POLL_S
-        return self.request.Test()
+        done: bool = self.request.Test()
+        return done
 
 
 class EvalWatch:
@@ -295,14 +343,15 @@ class EvalWatch:
             workers together at every poll; False sends every worker the verdict to stop.
     """
 
-    def __init__(self, wire: Wire, total: int, on_progress=None) -> None:
+    def __init__(self, wire: Wire, total: int,
+                 on_progress: Callable[[int, int], bool] | None = None) -> None:
         self.wire, self.total, self.on_progress = wire, total, on_progress
         self.done = np.zeros(wire.size, np.int64)
         self.share = np.zeros(wire.size, np.int64)  # each worker's clients
         self.final = np.zeros(wire.size, bool)
         self.final[0] = True
         self.sent = False
-        self.sends: list = []
+        self.sends: list[tuple[Any, np.ndarray]] = []  # (MPI request, its buffer)
         self.buf = np.empty(3, np.float64)
 
     def poll(self) -> None:
@@ -364,7 +413,7 @@ class EvalReport:
         self.request = wire.comm.Irecv([self.verdict, wire.MPI.DOUBLE], source=0,
                                        tag=VERDICT_TAG)
         self.arrived = False
-        self.sends: list = []
+        self.sends: list[tuple[Any, np.ndarray]] = []  # (MPI request, its buffer)
         self.last = -np.inf
 
     def __call__(self, done: int, total: int) -> bool:
@@ -402,19 +451,62 @@ class EvalReport:
         self.last = time.monotonic()
 
 
-def _request(method):
+CommandT = TypeVar("CommandT", bound="Command")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _request(method: Callable[Concatenate[CommandT, P], R]
+             ) -> Callable[Concatenate[CommandT, P], R]:
     """Rank 0's ``request`` methods: ``busy`` while a request's collectives are under way, so
     that after a failure rank 0 knows whether the workers are waiting for the next header (then
     a STOP releases them cleanly) or are inside a collective (then only MPI_Abort ends them)."""
 
     @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
+    def wrapped(self: CommandT, /, *args: P.args, **kwargs: P.kwargs) -> R:
         self.wire.busy = True
         out = method(self, *args, **kwargs)
         self.wire.busy = False  # left True when the request raised
         return out
 
     return wrapped
+
+
+#: ``rows(command, client_ids) -> int``: the rows of this rank's block of a TRAIN (selected
+#: clients) or EVAL (clients evaluated) request, to receive state rows or per-client parameters.
+RowsOf = Callable[[int, np.ndarray], int]
+
+
+class WorkerRank(Protocol):
+    """What a worker rank does for each command (:class:`mpifl.runtime.worker.Worker`
+    implements it). The commands' ``serve`` calls these between receiving a request and
+    sending its reply, so the order of every collective stays in this module."""
+
+    def rows(self, command: int, client_ids: np.ndarray) -> int:
+        """:data:`RowsOf`."""
+        ...
+
+    def train(self, req: Request) -> TrainBlock:
+        """TRAIN: this rank's block of the selected clients trained from ``req.w``."""
+        ...
+
+    def trained(self, req: Request, columns: np.ndarray | None) -> None:
+        """After a TRAIN's reply: ``columns`` is this shard rank's column block of every
+        update (m, hi - lo) float32 on a sharded server, else None."""
+        ...
+
+    def losses(self, req: Request) -> np.ndarray:
+        """LOSSES: (m_r,) float32 mean training losses of this rank's block at ``req.w``."""
+        ...
+
+    def evaluate(self, req: Request, report: EvalReport) -> Evaluated:
+        """EVAL: this rank's clients at ``req.w``, ``report`` told the progress."""
+        ...
+
+    def checkpoint(self, req: Request) -> float:
+        """CHECKPOINT: write this shard's state for round ``req.round``; 0 = written or
+        nothing to write."""
+        ...
 
 
 class Command:
@@ -425,8 +517,13 @@ class Command:
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
 
-    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+    def receive(self, req: Request, flag: int, rows: RowsOf | None) -> None:
         """Worker: the request's payload after the header (none by default)."""
+
+    def serve(self, req: Request, worker: WorkerRank) -> int | None:
+        """Worker: do what the received request ``req`` asks and reply; an exit status ends
+        the worker's loop (STOP), None goes on."""
+        raise NotImplementedError
 
 
 class Train(Command):
@@ -438,7 +535,8 @@ class Train(Command):
     @_request
     def request(self, rnd: int, lr: float, client_ids: np.ndarray, w: np.ndarray,
                 bounds: np.ndarray, inputs: np.ndarray | None = None,
-                state: np.ndarray | None = None, phase=None) -> TrainReply:
+                state: np.ndarray | None = None, phase: Callable[[str], None] | None = None
+                ) -> TrainReply:
         """Rank 0: send a TRAIN request and collect the results.
 
         Args:
@@ -467,6 +565,7 @@ class Train(Command):
         x.results_ready()
         if phase is not None:
             phase("gathering")
+        updates: np.ndarray | None
         if x.shard_bounds is None:
             updates = x.updates_buffer(m)
             x.gatherv(np.empty(0, np.float32), blocks * x.d, updates, x.MPI.FLOAT)
@@ -479,27 +578,29 @@ class Train(Command):
             stats = np.empty((m, cols.stats_width), dtype=np.float32)
             x.gatherv(np.empty(0, np.float32), blocks * cols.stats_width, stats, x.MPI.FLOAT)
         ranks = x.gather_rank_stats(0.0)
+        assert updates is not None and ranks is not None  # rank 0 (shard 0) receives
         received = m * x.d * 4 + losses.nbytes + (stats.nbytes if stats is not None else 0)
         return TrainReply(updates, losses, stats, ranks[:, 0], ranks[:, 1], sent + received,
                           t_bcast)
 
-    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+    def receive(self, req: Request, flag: int, rows: RowsOf | None) -> None:
         x = self.wire
         x.bcast_ids_w(req.client_ids, None)
         if x.columns.inputs:
             x.collective("Bcast", [x.inputs, x.MPI.DOUBLE])
             req.inputs = x.inputs
         if x.columns.state:
-            req.state = x.scatterv(None, None, x.columns.state, bounds_of(TRAIN, req.client_ids))
+            assert rows is not None, "a trainer with state rows needs the worker's rows"
+            req.state = x.scatterv(None, None, x.columns.state, rows(TRAIN, req.client_ids))
 
-    def reply(self, updates: np.ndarray, losses: np.ndarray, stats: np.ndarray | None,
-              seconds: float, blocks: np.ndarray | None = None) -> np.ndarray | None:
-        """Worker: contribute this rank's block of updates (m_r, d), losses (m_r,) and
-        statistics rows (m_r, S).
+    def serve(self, req: Request, worker: WorkerRank) -> None:
+        block = worker.train(req)
+        columns = self.reply(block)
+        del block  # the round's (m_r, d) updates are gone before a shard aggregates
+        worker.trained(req, columns)
 
-        Args:
-            blocks: (size,) selected clients per rank (:func:`mpifl.runtime.comm.rank_counts`;
-                used on a sharded server only).
+    def reply(self, block: TrainBlock) -> np.ndarray | None:
+        """Worker: contribute this rank's block of updates, losses and statistics rows.
 
         Returns:
             On a shard rank of a sharded server, its column block of every selected client's
@@ -509,13 +610,13 @@ class Train(Command):
         x.results_ready()
         mine = None
         if x.shard_bounds is None:
-            x.send_block(updates)
+            x.send_block(block.updates)
         else:
-            mine = x.gather_shards(updates, blocks)
-        x.send_block(losses)
+            mine = x.gather_shards(block.updates, block.per_rank)
+        x.send_block(block.losses)
         if x.columns.stats_width:
-            x.send_block(stats)
-        x.gather_rank_stats(seconds)
+            x.send_block(block.stats)
+        x.gather_rank_stats(block.seconds)
         return mine
 
 
@@ -527,8 +628,8 @@ class Losses(Command):
 
     @_request
     def request(self, client_ids: np.ndarray, w: np.ndarray, bounds: np.ndarray
-                ) -> tuple[np.ndarray, int]:
-        """Rank 0: ``(losses (m,) float32 in client-id order, bytes_moved)``."""
+                ) -> LossesReply:
+        """Rank 0: the clients' losses at ``w`` (``bounds`` as :meth:`Train.request`'s)."""
         x, m = self.wire, len(client_ids)
         x.bcast_header(LOSSES, 0, 0.0, m)
         ids = x.bcast_ids_w(client_ids, w)
@@ -536,10 +637,14 @@ class Losses(Command):
         blocks = rank_counts(bounds)
         x.results_ready()
         x.gatherv(np.empty(0, np.float32), blocks, losses, x.MPI.FLOAT)
-        return losses, x.workers * (x.header.nbytes + ids.nbytes + x.w.nbytes) + losses.nbytes
+        return LossesReply(losses, x.workers * (x.header.nbytes + ids.nbytes + x.w.nbytes)
+                           + losses.nbytes)
 
-    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+    def receive(self, req: Request, flag: int, rows: RowsOf | None) -> None:
         self.wire.bcast_ids_w(req.client_ids, None)
+
+    def serve(self, req: Request, worker: WorkerRank) -> None:
+        self.reply(worker.losses(req))
 
     def reply(self, losses: np.ndarray) -> None:
         """Worker: this rank's block of losses (m_r,)."""
@@ -557,7 +662,8 @@ class Eval(Command):
     def request(self, w: np.ndarray, counts: np.ndarray, width: int = 0,
                 personal: np.ndarray | None = None, adapt: tuple[int, float] | None = None,
                 local: np.ndarray | None = None, ids: np.ndarray | None = None,
-                window: int | None = None, on_progress=None) -> EvalReply:
+                window: int | None = None,
+                on_progress: Callable[[int, int], bool] | None = None) -> EvalReply:
         """Rank 0: evaluate all K clients on the workers, or the clients ``ids``.
 
         Args:
@@ -585,6 +691,7 @@ class Eval(Command):
         rnd, lr = adapt if adapt is not None else (0, 0.0)
         x.bcast_header(EVAL, rnd, lr, m, flag, window or 0)
         if m:
+            assert ids is not None  # m > 0: the sampled clients
             sent = x.workers * (x.header.nbytes + x.bcast_ids_w(ids, w).nbytes + x.w.nbytes)
         else:
             x.w[:] = w
@@ -604,46 +711,47 @@ class Eval(Command):
         if width:
             reply.counts = x.gather_f64(counts, width)
         if personal is not None:
-            reply.personal_accuracy = x.gather_f64(counts)
-            reply.personal_loss = x.gather_f64(counts)
+            reply.personal = (x.gather_f64(counts), x.gather_f64(counts))
         if adapt is not None:
-            reply.adapted_accuracy = x.gather_f64(counts)
-            reply.adapted_loss = x.gather_f64(counts)
+            reply.adapted = (x.gather_f64(counts), x.gather_f64(counts))
         extra = 2 * ((personal is not None) + (adapt is not None))
         reply.bytes_moved = sent + 8 * k * (2 + width + extra)
-        reply.peak_rss = x.gather_rank_stats(0.0)[:, 1]
+        ranks = x.gather_rank_stats(0.0)
+        assert ranks is not None  # rank 0 receives
+        reply.peak_rss = ranks[:, 1]
         watch.close()
         reply.stopped = not watch.complete
         return reply
 
-    def receive(self, req: TrainRequest, flag: int, bounds_of) -> None:
+    def receive(self, req: Request, flag: int, rows: RowsOf | None) -> None:
         x = self.wire
         if len(req.client_ids):  # the clients to evaluate (run.eval_clients), then w
             x.bcast_ids_w(req.client_ids, None)
         else:
             x.collective("Bcast", [x.w, x.MPI.FLOAT])
-        if flag & PERSONAL:
-            req.personal = x.scatterv(None, None, x.d, bounds_of(EVAL, req.client_ids))
-        if flag & LOCAL:
-            req.local = x.scatterv(None, None, x.columns.state, bounds_of(EVAL, req.client_ids))
+        if flag & (PERSONAL | LOCAL):
+            assert rows is not None, "per-client rows need the worker's rows"
+            mine = rows(EVAL, req.client_ids)
+            if flag & PERSONAL:
+                req.personal = x.scatterv(None, None, x.d, mine)
+            if flag & LOCAL:
+                req.local = x.scatterv(None, None, x.columns.state, mine)
         req.adapt = bool(flag & ADAPTED)
 
-    def report(self) -> EvalReport:
-        """Worker, on an EVAL request: its end of the progress channel (pass it to
-        :meth:`reply`)."""
-        return EvalReport(self.wire)
+    def serve(self, req: Request, worker: WorkerRank) -> None:
+        report = EvalReport(self.wire)  # its verdict's receive is posted before evaluating
+        self.reply(report, worker.evaluate(req, report))
 
-    def reply(self, report: EvalReport, accuracy: np.ndarray, loss: np.ndarray,
-              stats: np.ndarray | None, personal: tuple[np.ndarray, np.ndarray] | None = None,
-              adapted: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def reply(self, report: EvalReport, result: Evaluated) -> None:
         """Worker: this rank's share of accuracies, losses, (if any) statistics, (for a
         personal evaluation) the personal accuracies and losses and (for an adapted one) the
-        adapted accuracies and losses, each (K_r,) float64; ``report`` (:meth:`report`) sends
-        its final message first and takes rank 0's verdict after."""
+        adapted accuracies and losses, each (K_r,) float64; ``report`` sends its final message
+        first and takes rank 0's verdict after."""
         report.end()
         self.wire.results_ready()
-        arrays = ([accuracy, loss] + ([stats] if stats is not None else []) + list(personal or ())
-                  + list(adapted or ()))
+        arrays = ([result.accuracy, result.loss]
+                  + ([result.counts] if result.counts is not None else [])
+                  + list(result.personal or ()) + list(result.adapted or ()))
         for a in arrays:
             self.wire.send_block(a, np.float64)
         self.wire.gather_rank_stats(0.0)  # peak memory after the evaluation
@@ -657,15 +765,20 @@ class Checkpoint(Command):
     code = CHECKPOINT
 
     @_request
-    def request(self, rounds_done: int, write) -> np.ndarray:
+    def request(self, rounds_done: int, write: Callable[[], float]) -> np.ndarray:
         """Rank 0: ``write() -> status`` runs here meanwhile; (size,) float64 status per rank,
         0 = ok."""
         self.wire.bcast_header(CHECKPOINT, rounds_done)
-        return self.wire.gather_status(write())
+        status = self.wire.gather_status(write())
+        assert status is not None  # rank 0 receives
+        return status
 
     def reply(self, status: float) -> None:
         """Worker: 0 = written or nothing to write."""
         self.wire.gather_status(status)
+
+    def serve(self, req: Request, worker: WorkerRank) -> None:
+        self.reply(worker.checkpoint(req))
 
 
 class Stop(Command):
@@ -677,13 +790,16 @@ class Stop(Command):
         """Rank 0: release the workers; they exit with status ``code``."""
         self.wire.bcast_header(STOP, code)
 
+    def serve(self, req: Request, worker: WorkerRank) -> int:
+        return req.round  # the exit status rode in the header's round
+
 
 class MPITransport:
     """Both ends of the round protocol over ``comm``: one :class:`Wire` and its commands
     (``train``, ``losses``, ``eval``, ``checkpoint``, ``stop``); arguments as :class:`Wire`."""
 
-    def __init__(self, comm, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
-                 shard_bounds: np.ndarray | None = None):
+    def __init__(self, comm: Any, d: int, columns: Columns = Columns(), peer_timeout: float = 0.0,
+                 shard_bounds: np.ndarray | None = None) -> None:
         self.wire = x = Wire(comm, d, columns, peer_timeout, shard_bounds)
         self.comm, self.rank, self.size, self.workers = comm, x.rank, x.size, x.workers
         self.d, self.columns, self.shard_bounds = d, columns, shard_bounds
@@ -697,19 +813,23 @@ class MPITransport:
         """Rank 0: inside a request's collectives (a failure then needs MPI_Abort)."""
         return self.wire.busy
 
-    def receive(self, bounds_of=None) -> TrainRequest:
+    def receive(self, rows: RowsOf | None = None) -> Request:
         """Worker: wait for the next request from rank 0 and receive its payload.
 
         Args:
-            bounds_of: ``bounds_of(command, client_ids) -> int``, the number of rows in this
-                rank's block of a TRAIN (selected clients) or EVAL (all clients) request; needed
-                to receive state rows or per-client parameters.
+            rows: :data:`RowsOf`, needed to receive state rows or per-client parameters.
         """
         command, rnd, lr, m, flag, window = self.wire.bcast_header()
-        req = TrainRequest(command, rnd, lr, np.empty(m, dtype=np.int64), self.wire.w,
-                           window=window)
-        self._by_code[command].receive(req, flag, bounds_of)
+        req = Request(command, rnd, lr, np.empty(m, dtype=np.int64), self.wire.w,
+                      window=window)
+        self._by_code[command].receive(req, flag, rows)
         return req
+
+    def serve_next(self, worker: WorkerRank) -> int | None:
+        """Worker: receive the next request and serve it through its command (the same
+        objects rank 0's requests go through); the exit status once it was STOP, else None."""
+        req = self.receive(worker.rows)
+        return self._by_code[req.command].serve(req, worker)
 
     def abort(self, code: int) -> None:
         """End every rank of the job now (a rank failed; never leave the others hanging).

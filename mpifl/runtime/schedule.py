@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 __all__ = ["CheckpointSchedule", "default_every", "DEFAULT_SHARE", "DEFAULT_ROUNDS_FRACTION"]
 
@@ -43,7 +44,7 @@ class CheckpointSchedule:
     """
 
     def __init__(self, rounds: int, every: int, minutes: float, share: float = 0.0,
-                 clock=time.monotonic):
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.rounds, self.every, self.minutes, self.share = rounds, every, minutes, share
         self.clock = clock
         self.last_time, self.last_round, self.cost = clock(), 0, 0.0

@@ -10,24 +10,38 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from mpifl.aggregators import ObservesParams, PersonalModels, RoundInputs, RoundUpdates
+from mpifl.aggregators.base import Aggregator
+from mpifl.aggregators.server_opt import ServerOptimizer
 from mpifl.clients.faults import accepted, dropped_out
+from mpifl.clients.meta import MetaStep
 from mpifl.core.blame import blame, origin
 from mpifl.core.errors import MpiflError, OutputError
+from mpifl.core.layout import ParamLayout
 from mpifl.core.rng import EVAL_TAG, SAMPLING_TAG
 from mpifl.metrics.fairness import violations_from_counts
 from mpifl.metrics.summary import (client_summary, count_conflicts, count_layer_conflicts,
                                    loss_summary)
+from mpifl.runtime.backends import ClientBackend, RemoteClients, TrainResult
+from mpifl.runtime.client_state import LocalCoordinates
+from mpifl.runtime.clock import Clock, RoundTime
+from mpifl.runtime.loggers import LoggerSet
 from mpifl.runtime.plan import RoundPlan
 from mpifl.runtime.progress import BAR_FORMAT, ProgressLog
 from mpifl.runtime.schedule import CheckpointSchedule
+from mpifl.runtime.sharding import ShardServer
+from mpifl.runtime.signals import StopRequest
 from mpifl.store.checkpoint import Checkpoint, save
+from mpifl.store.writer import ResultsWriter
 
 log = logging.getLogger("mpifl.server")
 
@@ -86,47 +100,72 @@ def eval_due(rnd: int, rounds: int, every: int) -> bool:
     return (rnd + 1) % every == 0 or rnd + 1 == rounds
 
 
+@dataclass(frozen=True)
+class ServerSetup:
+    """What rank 0's round loop drives, built once by the experiment layer
+    (:mod:`mpifl.experiment.run`).
+
+    Attributes:
+        fed: federated data or a lazy population (sample counts per client).
+        layout: the model's :class:`mpifl.core.layout.ParamLayout`.
+        clients: where the clients train (:class:`mpifl.runtime.backends.ClientBackend`: in
+            this process or on MPI worker ranks).
+        aggregator: the rule, from :func:`mpifl.aggregators.create`.
+        writer: the results file (its history goes into checkpoints).
+        device: where aggregation runs.
+        checkpoints: the checkpoint folder (``RUN.h5.ckpt``), or None for no checkpoints.
+        stop: when set, the loop stops within seconds, checkpoints and returns early
+            (:meth:`Server.run` says where each phase stops), or None.
+        world_size: MPI ranks of the run.
+        meta: FedMeta's meta step, applied after every aggregation, or None.
+        loggers: told every round, or None.
+        shard: on a sharded server (``server.shards > 1``), rank 0's shard (shard 0): it
+            aggregates with the other shards, and checkpoints ask every shard for its file
+            first; else None.
+        local: the clients' local coordinates (local BatchNorm), or None.
+        optimizer: the server optimizer applied to every step of the rule, or None for none.
+        clock: simulated time (``[system] enabled``): it selects among the available clients
+            and keeps those that finish in time; None: every selected client finishes,
+            instantly.
+    """
+
+    fed: Any
+    layout: ParamLayout
+    clients: ClientBackend
+    aggregator: Aggregator
+    writer: ResultsWriter
+    device: torch.device
+    checkpoints: Path | None = None
+    stop: StopRequest | None = None
+    world_size: int = 1
+    meta: MetaStep | None = None
+    loggers: LoggerSet | None = None
+    shard: ShardServer | None = None
+    local: LocalCoordinates | None = None
+    optimizer: ServerOptimizer | None = None
+    clock: Clock | None = None
+
+
 class Server:
     """The round loop of rank 0.
 
     Args:
-        plan: the round loop's schedule, a :class:`mpifl.runtime.plan.RoundPlan`.
-        fed: federated data (sample counts per client).
-        layout: the model's :class:`mpifl.models.ParamLayout`.
-        clients: a :mod:`mpifl.runtime.backends` backend (in-process or MPI).
-        aggregator: from :func:`mpifl.aggregators.create`.
-        writer: a :class:`mpifl.store.ResultsWriter` (its history goes into checkpoints).
-        device: where aggregation runs.
-        checkpoints: the checkpoint folder (``RUN.h5.ckpt``), or None for no checkpoints.
-        stop: a :class:`mpifl.runtime.signals.StopRequest`; when set, the loop stops within
-            seconds, checkpoints and returns early (:meth:`run` says where each phase stops).
-        meta: FedMeta's :class:`mpifl.clients.meta.MetaStep`, applied after every aggregation, or None.
-        loggers: a :class:`mpifl.runtime.loggers.LoggerSet` told every round, or None.
-        optimizer: the server optimizer applied to every step of the rule
-            (:class:`mpifl.aggregators.server_opt.ServerOptimizer`), or None for none.
-        local: the clients' local coordinates (:class:`mpifl.runtime.client_state.
-            LocalCoordinates`, local BatchNorm), or None.
-        shard: on a sharded server (``server.shards > 1``), rank 0's
-            :class:`mpifl.runtime.sharding.ShardServer` (shard 0): it aggregates with the other
-            shards, and checkpoints ask every shard for its file first.
-        clock: simulated time (:class:`mpifl.runtime.clock.Clock`, ``[system] enabled``): it
-            selects among the available clients and keeps those that finish in time; None:
-            every selected client finishes, instantly.
+        plan: the round loop's schedule.
+        parts: what the loop drives.
     """
 
-    def __init__(self, plan: RoundPlan, fed, layout, clients, aggregator, writer,
-                 device: torch.device, checkpoints: Path | None = None, stop=None,
-                 world_size: int = 1, meta=None, loggers=None, shard=None, local=None,
-                 optimizer=None, clock=None):
-        self.plan, self.fed, self.layout = plan, fed, layout
-        self.clients, self.aggregator, self.writer = clients, aggregator, writer
-        self.device, self.checkpoints, self.stop, self.world_size = device, checkpoints, stop, world_size
-        self.layers = [layer.slice for layer in layout.layers]
-        self.meta, self.loggers, self.shard, self.local = meta, loggers, shard, local
-        self.optimizer, self.clock = optimizer, clock
-        self._time = None  # the round on the clock, counted once the round is kept
+    def __init__(self, plan: RoundPlan, parts: ServerSetup) -> None:
+        self.plan, self.parts = plan, parts
+        self.fed, self.layout, self.clients = parts.fed, parts.layout, parts.clients
+        self.aggregator, self.writer, self.device = parts.aggregator, parts.writer, parts.device
+        self.checkpoints, self.stop = parts.checkpoints, parts.stop
+        self.world_size, self.meta, self.loggers = parts.world_size, parts.meta, parts.loggers
+        self.shard, self.local, self.optimizer = parts.shard, parts.local, parts.optimizer
+        self.clock = parts.clock
+        self.layers = [layer.slice for layer in parts.layout.layers]
+        self._time: RoundTime | None = None  # the round on the clock, counted once kept
         # a regression loss: no accuracy; the clients' test losses are summarised instead
-        self.regression = getattr(writer.history, "loss_metrics", False)
+        self.regression = parts.writer.history.metrics.loss
         self.lines = ProgressLog(plan.rounds, 0, 0.0, plan=plan)  # run() makes the real one
         self._saved: int | None = None  # rounds done at the newest checkpoint
         self._stopped_at = (0, 0)  # clients done and in all of the evaluation a stop ended
@@ -182,13 +221,14 @@ class Server:
                 bar.close()
         return w, True
 
-    def _run_round(self, rnd: int, w: torch.Tensor, schedule) -> tuple[torch.Tensor, bool]:
+    def _run_round(self, rnd: int, w: torch.Tensor, schedule: CheckpointSchedule
+                   ) -> tuple[torch.Tensor, bool]:
         """Round ``rnd``: train, aggregate, evaluate when due, write its row and checkpoint.
         Returns the parameters and False when a stop request ends the run here."""
         plan, lines, rounds = self.plan, self.lines, self.plan.rounds
         lines.round_begins(rnd)
         moved, row = self._round(rnd, w)
-        if row is not None and self._time is not None:
+        if row is not None and self.clock is not None and self._time is not None:
             self.clock.advance(self._time)
         if row is None:  # stopped at its training: the round is dropped
             if self._saved != rnd:
@@ -221,7 +261,8 @@ class Server:
             return w, False
         return w, True
 
-    def _checkpoint_timed(self, rounds_done: int, w: torch.Tensor, schedule) -> None:
+    def _checkpoint_timed(self, rounds_done: int, w: torch.Tensor,
+                          schedule: CheckpointSchedule) -> None:
         """The checkpoint after ``rounds_done`` rounds, its time in the round's row and the
         schedule (the results file is written either way)."""
         t0 = time.perf_counter()
@@ -247,10 +288,12 @@ class Server:
         return self.stop is not None and self.stop.requested
 
     def _log_stop(self, rounds_done: int, detail: str) -> None:
+        assert self.stop is not None  # only a stop request stops a run early
         log.warning("stop requested (%s): checkpointed after round %d of %d%s",
                     self.stop.reason, rounds_done, self.plan.rounds, detail)
 
-    def _evaluate_round(self, rnd: int, w: torch.Tensor, row: dict) -> dict | None:
+    def _evaluate_round(self, rnd: int, w: torch.Tensor, row: dict[str, Any]
+                        ) -> dict[str, float] | None:
         """The evaluation after round ``rnd``, its time in ``row``; None when a stop request
         came first or stopped it (then it is left for resume, :meth:`_evaluate_pending`)."""
         if self._stopping():
@@ -289,40 +332,41 @@ class Server:
 
     def checkpoint(self, rounds_done: int, w: torch.Tensor) -> bool:
         """Write a checkpoint of the state after ``rounds_done`` rounds (if enabled)."""
-        if self.checkpoints is None:
+        if (folder := self.checkpoints) is None:
             return False
         bounds = None
-        if self.shard is not None:  # every shard writes its file, then this one lists them
+        if (shard := self.shard) is not None:  # every shard writes, then this one lists them
+            assert isinstance(self.clients, RemoteClients)  # shards are worker ranks
             status = self.clients.checkpoint_shards(
-                rounds_done, lambda: self.shard.write_checkpoint(self.checkpoints, rounds_done))
-            if failed := [j for j in range(self.shard.group.size) if status[j] != 0]:
+                rounds_done, lambda: shard.write_checkpoint(folder, rounds_done))
+            if failed := [j for j in range(shard.group.size) if status[j] != 0]:
                 raise OutputError(f"cannot write checkpoint after round {rounds_done}: shard(s) "
                                   f"{', '.join(map(str, failed))} could not write their files "
                                   "(their ranks logged why); the previous checkpoints are kept")
-            bounds = self.shard.group.bounds
+            bounds = shard.group.bounds
         # after the shard files: a large rule state (its stacked history) is copied once at a time
         state = self.aggregator.state_dict()
         if self.shard is not None:
             state = {k: v for k, v in state.items()
                      if k not in self.aggregator.needs.sharded_state}
         ckpt = Checkpoint(rounds_done, w.detach().cpu().numpy(), state, self.writer.history,
-                          self.plan.config_json, self.world_size, self.checkpoints, bounds,
+                          self.plan.config_json, self.world_size, folder, bounds,
                           client_state=self.local.state_dict() if self.local else {},
                           server_state=self._server_state())
-        save(self.checkpoints, ckpt)
+        save(folder, ckpt)
         self._saved = rounds_done
         return True
 
-    def _server_state(self) -> dict[str, np.ndarray]:
+    def _server_state(self) -> dict[str, np.ndarray | np.generic]:
         """The server optimizer's and the clock's state, for the checkpoint."""
-        state = {}
+        state: dict[str, np.ndarray | np.generic] = {}
         if self.optimizer is not None:
             state.update({f"optimizer_{k}": v for k, v in self.optimizer.state_dict().items()})
         if self.clock is not None:
             state.update({f"clock_{k}": v for k, v in self.clock.state_dict().items()})
         return state
 
-    def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict | None]:
+    def _round(self, rnd: int, w: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any] | None]:
         """Round ``rnd``'s training and aggregation: the parameters after it and its /rounds
         row; the row is None when a stop request dropped the round (before or right after its
         training, when nothing of it is kept yet)."""
@@ -330,7 +374,7 @@ class Server:
         lr = plan.lr_at(rnd)
         selected, pool = self._select(rnd)
         ids = pool[~dropped_out(plan.seed, rnd, pool, plan.dropout)]
-        row = {"round": rnd, "lr": lr, "dropped": len(pool) - len(ids), "rejected": 0,
+        row: dict[str, Any] = {"round": rnd, "lr": lr, "dropped": len(pool) - len(ids), "rejected": 0,
                "num_clients": 0, "train_loss": float("nan"), "conflicts_model": 0,
                "conflicts_layer": np.zeros(len(self.layers), dtype=np.int64),
                "bytes_moved": 0, "time_broadcast": 0.0, "time_train": 0.0, "time_gather": 0.0,
@@ -425,11 +469,13 @@ class Server:
                              f"value per coordinate of w)")
         return step
 
-    def _aggregate_sharded(self, rnd: int, lr: float, ids: np.ndarray, res, w: torch.Tensor,
-                           row: dict) -> tuple[torch.Tensor, dict]:
+    def _aggregate_sharded(self, rnd: int, lr: float, ids: np.ndarray, res: TrainResult,
+                           w: torch.Tensor, row: dict[str, Any]
+                           ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The round's aggregation on the shards (:class:`mpifl.runtime.sharding.ShardServer`):
         ``res.updates`` is this rank's column block of the updates."""
         t0 = time.perf_counter()
+        assert self.shard is not None  # a sharded server's round
         out = self.shard.aggregate(rnd, lr, ids, res.updates, res.losses, res.stats)
         row["rejected"] = int((~out.keep).sum())
         if out.step is None:
@@ -449,8 +495,8 @@ class Server:
             return None
         return rnd + 1, self.plan.lr_at(rnd + 1)
 
-    def _evaluate(self, rnd: int, w: torch.Tensor, row: dict | None = None
-                  ) -> tuple[float, dict | None]:
+    def _evaluate(self, rnd: int, w: torch.Tensor, row: dict[str, Any] | None = None
+                  ) -> tuple[float, dict[str, float] | None]:
         """Evaluate every client (or ``plan.eval_clients`` of them, keyed by the round, unless
         this evaluation is a full one); the round's ``row`` gets the peak memory after it.
         Untested clients' values are NaN. Returns the seconds and the summary, None (nothing
@@ -461,7 +507,8 @@ class Server:
                eval_sample(self.plan.seed, rnd + 1, k, self.plan.eval_clients))
         self.lines.begin("evaluation", rnd + 1, k if ids is None else len(ids),
                          full=ids is None)
-        rows = (lambda a: a) if ids is None else (lambda a: a[torch.from_numpy(ids).to(a.device)])
+        rows: Callable[[torch.Tensor], torch.Tensor] = (
+            (lambda a: a) if ids is None else (lambda a: a[torch.from_numpy(ids).to(a.device)]))
         own = agg.personal_params(w) if isinstance(agg, PersonalModels) else None
         rep = self.clients.evaluate(agg.evaluation_params(w) if isinstance(agg, ObservesParams)
                                     else w,
@@ -487,16 +534,15 @@ class Server:
             union = rep.counts.sum(axis=0).reshape(-1, 2, 3)
             summary.update({f"group/{name}": v for name, v in
                             violations_from_counts(union).items()})
-        personal = None
-        if rep.personal_accuracy is not None:  # Ditto: each client's own model
-            personal = (_spread(rep.personal_accuracy, ids, k), _spread(rep.personal_loss, ids, k))
+        personal = adapted = None
+        if rep.personal is not None:  # Ditto: each client's own model
+            personal = (_spread(rep.personal[0], ids, k), _spread(rep.personal[1], ids, k))
             summary.update({f"personal/{name}": v for name, v in
-                            client_summary(rep.personal_accuracy, tested).items()})
-        adapted = None
-        if rep.adapted_accuracy is not None:  # after local adaptation (run.adapt_epochs)
-            adapted = (_spread(rep.adapted_accuracy, ids, k), _spread(rep.adapted_loss, ids, k))
+                            client_summary(rep.personal[0], tested).items()})
+        if rep.adapted is not None:  # after local adaptation (run.adapt_epochs)
+            adapted = (_spread(rep.adapted[0], ids, k), _spread(rep.adapted[1], ids, k))
             summary.update({f"adapted/{name}": v for name, v in
-                            client_summary(rep.adapted_accuracy, tested).items()})
+                            client_summary(rep.adapted[0], tested).items()})
         if self.regression:
             summary.update({f"loss/{name}": v for name, v in loss_summary(loss).items()})
         self.writer.append_eval(rnd + 1, _spread(acc, ids, k), _spread(loss, ids, k), summary,

@@ -10,7 +10,7 @@ must take identical decisions from them. mpi4py is imported lazily, as in
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -29,12 +29,12 @@ class MPIShardCollectives:
         size: P. index: this shard's j (its rank in ``comm``).
     """
 
-    def __init__(self, comm, wait: Callable | None = None) -> None:
+    def __init__(self, comm: Any, wait: Callable[[Any], None] | None = None) -> None:
         self.comm, self.wait = comm, wait
         self.size = comm.Get_size()
         self.index = comm.Get_rank()
 
-    def _run(self, name: str, *args, **kwargs) -> None:
+    def _run(self, name: str, *args: Any, **kwargs: Any) -> None:
         """The collective ``name`` rooted at shard 0: blocking, or its nonblocking form
         completed by :attr:`wait` (so a lost shard cannot hold the others forever)."""
         if self.wait is None:

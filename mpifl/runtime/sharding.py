@@ -22,13 +22,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 
 from mpifl.aggregators import RoundUpdates
+from mpifl.aggregators.base import Aggregator
 from mpifl.aggregators.shards import ShardGroup, local_layers, row_sq_norms
 from mpifl.core.errors import OutputError
+from mpifl.core.wire import Columns
 from mpifl.runtime.backends import split_stats, stats_rows
 from mpifl.store import checkpoint
 
@@ -65,8 +68,8 @@ class ShardServer:
         columns: the trainer's :class:`~mpifl.core.wire.Columns` (statistics rows' layout).
     """
 
-    def __init__(self, group: ShardGroup, aggregator, layers: list[slice], num_train: np.ndarray,
-                 max_update_norm: float | None, columns) -> None:
+    def __init__(self, group: ShardGroup, aggregator: Aggregator, layers: list[slice],
+                 num_train: np.ndarray, max_update_norm: float | None, columns: Columns) -> None:
         self.group, self.aggregator, self.columns = group, aggregator, columns
         self.layers = layers
         self.local = local_layers(layers, group.lo, group.hi) or []  # never None: layers is given
@@ -90,13 +93,17 @@ class ShardServer:
         self.busy = False  # left True when it raised
         return out
 
-    def _aggregate(self, rnd, lr, ids, block, losses, stats) -> ShardOutcome:
+    def _aggregate(self, rnd: int, lr: float, ids: np.ndarray, block: torch.Tensor,
+                   losses: torch.Tensor | None, stats: dict[str, torch.Tensor] | None
+                   ) -> ShardOutcome:
         m, g = len(ids), self.group
         losses_np = np.empty(m, np.float32)
         rows = np.empty((m, self.columns.stats_width), np.float32)
         if g.index == 0:
+            assert losses is not None  # shard 0 passes the round's losses and statistics
             losses_np[:] = losses.cpu().numpy()
             if self.columns.stats_width:
+                assert stats is not None
                 rows[:] = stats_rows(self.columns, stats, m).cpu().numpy()
         g.bcast(losses_np)
         if self.columns.stats_width:
@@ -123,7 +130,7 @@ class ShardServer:
         bad = ~(torch.isfinite(block.amax(dim=1)) & torch.isfinite(block.amin(dim=1)))
         sq = row_sq_norms(block, finite=True)
         tot = self.group.allsum(torch.stack([bad.double(), sq]))
-        ok = tot[0] == 0
+        ok: np.ndarray = tot[0] == 0
         if self.max_update_norm is not None:
             ok &= np.sqrt(tot[1]) <= self.max_update_norm
         return ok
@@ -144,7 +151,9 @@ class ShardServer:
             state = self.aggregator.state_dict()
             checkpoint.save_shard(folder, rounds_done, self.group.index, self.group.size,
                                   self.group.lo, self.group.hi, self.group.d,
-                                  {k: state[k] for k in self.aggregator.needs.sharded_state})
+                                  # Shards.state names arrays: (N, block) column blocks
+                                  {k: cast(np.ndarray, state[k])
+                                   for k in self.aggregator.needs.sharded_state})
         except OutputError as exc:
             log.error("shard %d: %s", self.group.index, exc)
             return 1.0

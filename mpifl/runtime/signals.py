@@ -12,6 +12,7 @@ and every rank exits with :data:`EXIT_CHECKPOINTED`.
 from __future__ import annotations
 
 import signal
+from types import FrameType
 
 #: Exit status of a run stopped by a signal after checkpointing: resume to continue.
 EXIT_CHECKPOINTED = 3
@@ -47,7 +48,7 @@ class StopRequest:
             _PROCESS = cls().install()
         return _PROCESS
 
-    def _handle(self, signum, _frame) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.reason == "SIGINT":
             raise KeyboardInterrupt  # Ctrl-C twice: the user does not want to wait
         # keep the first: under srun a requeue sends SIGTERM to the ranks and the sweep job

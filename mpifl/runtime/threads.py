@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mpifl.runtime.installs import rank_ranges
 
@@ -111,7 +113,7 @@ def _ranks(n: int) -> str:
     return f"{n} rank{'s' if n != 1 else ''}"
 
 
-def usable_cores(environ=os.environ) -> Cores:
+def usable_cores(environ: Mapping[str, str] = os.environ) -> Cores:
     """This process's :class:`Cores`, read from the OS and the environment."""
     try:
         affinity = len(os.sched_getaffinity(0))
@@ -152,7 +154,7 @@ def _ratio(quota: str, period: str) -> float | None:
     return q / p if q > 0 and p > 0 else None
 
 
-def _read(path) -> str:
+def _read(path: str | Path) -> str:
     try:
         return Path(path).read_text().strip()
     except OSError:
@@ -163,7 +165,7 @@ def _positive(text: str | None) -> int | None:
     return int(text) if text and text.strip().isdigit() and int(text) > 0 else None
 
 
-def node_ranks(comm) -> tuple[int, int]:
+def node_ranks(comm: Any) -> tuple[int, int]:
     """``(ranks on this node, ranks on this node whose CPU affinity overlaps this rank's)``.
     Collective over ``comm`` (None: one process, ``(1, 1)``)."""
     if comm is None:

@@ -12,18 +12,26 @@ rank 0 how far it is between windows and stopping at the next one when rank 0 as
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from mpifl.clients.interface import ClientTrainer
 from mpifl.runtime.backends import client_rows, evaluate_clients, group_setup, stats_rows
 from mpifl.runtime.comm import rank_counts, release_free_memory, split_by_samples
-from mpifl.runtime.protocol import CHECKPOINT, EVAL, LOSSES, STOP, TRAIN, MPITransport
+from mpifl.runtime.protocol import (TRAIN, EvalReport, Evaluated, MPITransport, Request,
+                                    TrainBlock)
+
+if TYPE_CHECKING:
+    from mpifl.runtime.sharding import ShardServer
 
 
-def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=None,
-          shard=None, checkpoints: Path | None = None) -> int:
+def serve(transport: MPITransport, trainer: ClientTrainer, fed: Any, device: torch.device,
+          adapter: ClientTrainer | None = None, shard: ShardServer | None = None,
+          checkpoints: Path | None = None) -> int:
     """Answer rank 0's requests until it sends STOP; returns the exit status STOP carries.
 
     Args:
@@ -39,86 +47,98 @@ def serve(transport: MPITransport, trainer, fed, device: torch.device, adapter=N
             when it is one of the shards (ranks 1 .. P-1), else None.
         checkpoints: the run's checkpoint folder (a shard writes its files there).
     """
-    block = transport.rank - 1
-    workers = transport.workers
-    eval_bounds = split_by_samples(fed.num_test, workers)
-    eval_ids = np.arange(eval_bounds[block], eval_bounds[block + 1], dtype=np.int64)
-    groups = group_setup(fed, device)
+    worker = Worker(transport.rank, transport.workers, trainer, fed, device, adapter, shard,
+                    checkpoints)
+    while (status := transport.serve_next(worker)) is None:
+        pass
+    return status
 
-    def mine(client_ids: np.ndarray, sizes: np.ndarray = fed.num_train) -> np.ndarray:
-        bounds = split_by_samples(sizes[client_ids], workers)
-        return client_ids[bounds[block]:bounds[block + 1]]
 
-    def tested(client_ids: np.ndarray) -> np.ndarray:
+class Worker:
+    """One worker rank's part of each command (:class:`mpifl.runtime.protocol.WorkerRank`):
+    its contiguous block of a round's selected clients (by training samples) and its static
+    share of all K clients in an evaluation (by test samples). Arguments as :func:`serve`;
+    ``rank`` and ``workers`` the transport's."""
+
+    def __init__(self, rank: int, workers: int, trainer: ClientTrainer, fed: Any,
+                 device: torch.device, adapter: ClientTrainer | None = None,
+                 shard: ShardServer | None = None, checkpoints: Path | None = None) -> None:
+        self.block, self.workers = rank - 1, workers
+        self.trainer, self.fed, self.device, self.adapter = trainer, fed, device, adapter
+        self.shard, self.checkpoints = shard, checkpoints
+        bounds = split_by_samples(fed.num_test, workers)
+        self.eval_ids = np.arange(bounds[self.block], bounds[self.block + 1], dtype=np.int64)
+        self.groups = group_setup(fed, device)
+
+    def mine(self, client_ids: np.ndarray, sizes: np.ndarray | None = None) -> np.ndarray:
+        """This rank's block of ``client_ids`` by ``sizes`` (default: training samples)."""
+        sizes = self.fed.num_train if sizes is None else sizes
+        bounds = split_by_samples(sizes[client_ids], self.workers)
+        return client_ids[bounds[self.block]:bounds[self.block + 1]]
+
+    def tested(self, client_ids: np.ndarray) -> np.ndarray:
         """This rank's clients of an evaluation: its static share of all K, or its block of
         the sampled ones (``run.eval_clients``) by test samples."""
-        return eval_ids if not len(client_ids) else mine(client_ids, fed.num_test)
+        return self.eval_ids if not len(client_ids) else self.mine(client_ids, self.fed.num_test)
 
-    def rows_mine(command: int, client_ids: np.ndarray) -> int:
-        return len(mine(client_ids)) if command == TRAIN else len(tested(client_ids))
+    def rows(self, command: int, client_ids: np.ndarray) -> int:
+        return len(self.mine(client_ids)) if command == TRAIN else len(self.tested(client_ids))
 
-    while True:
-        req = transport.receive(rows_mine)
-        if req.command == STOP:
-            return req.round
-        if req.command == CHECKPOINT:
-            ok = 0.0 if shard is None else shard.write_checkpoint(checkpoints, req.round)
-            transport.checkpoint.reply(ok)
-            continue
-        w = torch.from_numpy(req.w).to(device)
-        if req.command == TRAIN:  # a function: the round's (m, d) arrays die with its frame
-            _serve_train(transport, trainer, fed, w, req, block, device, shard)
-        elif req.command == LOSSES:
-            ids = mine(req.client_ids)
-            loss = np.empty(0)
-            if len(ids):
-                with client_rows(fed, ids, trainer) as (idx, _):
-                    loss = trainer.evaluate(w, idx)[1]
-            transport.losses.reply(loss)
-        elif req.command == EVAL:
-            report = transport.eval.report()
-            transport.eval.reply(report, *_evaluate(trainer, fed, w, tested(req.client_ids),
-                                                    groups, req, device, adapter, report))
+    def _w(self, req: Request) -> torch.Tensor:
+        return torch.from_numpy(req.w).to(self.device)
 
+    def train(self, req: Request) -> TrainBlock:
+        """This rank's block of the round's clients trained (nothing of the round is kept:
+        the next round's updates never sit beside this round's)."""
+        bounds = split_by_samples(self.fed.num_train[req.client_ids], self.workers)
+        ids = req.client_ids[bounds[self.block]:bounds[self.block + 1]]
+        t0 = time.perf_counter()
+        w, cols = self._w(req), self.trainer.columns
+        if len(ids) == 0:
+            return TrainBlock(np.empty((0, w.numel()), np.float32), np.empty(0, np.float32),
+                              np.empty((0, cols.stats_width), np.float32),
+                              time.perf_counter() - t0, rank_counts(bounds))
+        state = None if req.state is None else torch.from_numpy(req.state).to(self.device)
+        with client_rows(self.fed, ids, self.trainer) as (idx, _):
+            updates, losses, stats = self.trainer.run_round(w, req.round, req.lr, ids, idx,
+                                                            req.inputs, state)
+        return TrainBlock(updates.cpu().numpy(), losses.cpu().numpy(),
+                          stats_rows(cols, stats, len(ids)).cpu().numpy(),
+                          time.perf_counter() - t0, rank_counts(bounds))
 
-def _serve_train(transport, trainer, fed, w, req, block, device, shard) -> None:
-    """Train this rank's block of the round's clients and reply; on a sharded server, then
-    aggregate this shard's column block. Nothing of the round outlives the call, so the next
-    round's updates never sit beside this round's."""
-    bounds = split_by_samples(fed.num_train[req.client_ids], transport.workers)
-    ids = req.client_ids[bounds[block]:bounds[block + 1]]
-    t0 = time.perf_counter()
-    state = None if req.state is None else torch.from_numpy(req.state).to(device)
-    out = _train(trainer, fed, w, req.round, req.lr, ids, req.inputs, state)
-    cols = transport.train.reply(*out, time.perf_counter() - t0, rank_counts(bounds))
-    del out
-    release_free_memory()  # the replied updates' pages too (client_rows freed the window's)
-    if shard is not None:  # this shard's part of the aggregation
-        shard.aggregate(req.round, req.lr, req.client_ids, torch.from_numpy(cols).to(device))
+    def trained(self, req: Request, columns: np.ndarray | None) -> None:
+        release_free_memory()  # the replied updates' pages too (client_rows freed the window's)
+        if self.shard is not None and columns is not None:  # this shard's part of the rule
+            self.shard.aggregate(req.round, req.lr, req.client_ids,
+                                 torch.from_numpy(columns).to(self.device))
 
+    def losses(self, req: Request) -> np.ndarray:
+        ids = self.mine(req.client_ids)
+        if not len(ids):
+            return np.empty(0, np.float32)
+        with client_rows(self.fed, ids, self.trainer) as (idx, _):
+            return self.trainer.evaluate(self._w(req), idx)[1]
 
-def _train(trainer, fed, w, rnd, lr, ids, inputs, state):
-    cols = trainer.columns
-    if len(ids) == 0:
-        return (np.empty((0, w.numel()), np.float32), np.empty(0, np.float32),
-                np.empty((0, cols.stats_width), np.float32))
-    with client_rows(fed, ids, trainer) as (idx, _):
-        updates, losses, stats = trainer.run_round(w, rnd, lr, ids, idx, inputs, state)
-    return (updates.cpu().numpy(), losses.cpu().numpy(),
-            stats_rows(cols, stats, len(ids)).cpu().numpy())
+    def evaluate(self, req: Request, report: EvalReport) -> Evaluated:
+        """This rank's clients of the evaluation (none when there are more ranks than
+        clients), in windows of ``req.window`` samples, ``report`` told the clients done
+        before each (and stopping there when rank 0 says so: NaN for the rest)."""
+        ids = self.tested(req.client_ids)
+        if not len(ids):
+            width = 0 if self.groups is None else self.groups[1] * 6
+            pair = (np.empty(0), np.empty(0))
+            return Evaluated(np.empty(0), np.empty(0), np.empty((0, width)) if width else None,
+                             pair if req.personal is not None else None,
+                             pair if req.adapt else None)
+        on: Callable[[np.ndarray | None], torch.Tensor | None] = (  # noqa: E731
+            lambda a: None if a is None else torch.from_numpy(a).to(self.device))
+        return evaluate_clients(self.trainer, self.fed, self._w(req), ids, self.groups,
+                                on(req.personal), on(req.local), self.adapter,
+                                (req.round, req.lr) if req.adapt else None, req.window or None,
+                                report)
 
-
-def _evaluate(trainer, fed, w, ids, groups, req, device, adapter, report):
-    """The EVAL reply's arrays for this rank's clients ``ids`` (empty when there are more ranks
-    than clients), in windows of ``req.window`` samples, ``report`` told the clients done
-    before each (and stopping there when rank 0 says so: NaN for the rest)."""
-    if not len(ids):
-        width = 0 if groups is None else groups[1] * 6
-        empty = (np.empty(0), np.empty(0))
-        return (*empty, np.empty((0, width)) if width else None,
-                empty if req.personal is not None else None, empty if req.adapt else None)
-    on = lambda a: None if a is None else torch.from_numpy(a).to(device)  # noqa: E731
-    out = evaluate_clients(trainer, fed, w, ids, groups, on(req.personal), on(req.local),
-                           adapter, (req.round, req.lr) if req.adapt else None,
-                           req.window or None, report)
-    return out.accuracy, out.loss, out.counts, out.personal, out.adapted
+    def checkpoint(self, req: Request) -> float:
+        if self.shard is None:
+            return 0.0
+        assert self.checkpoints is not None, "a shard writes into the run's checkpoint folder"
+        return self.shard.write_checkpoint(self.checkpoints, req.round)

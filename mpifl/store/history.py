@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import h5py
@@ -14,22 +15,41 @@ from mpifl.store.schema import (ADAPTED_KEYS, GROUP_KEYS, LATER_COLUMNS, LAYER_C
                                 SELECTION_COLUMNS)
 
 
+@dataclass(frozen=True)
+class MetricSet:
+    """Which metrics a run records, fixed at its start: the shape of its results file.
+
+    Attributes:
+        num_clients: K, the width of the per-client evaluation arrays.
+        num_layers: L, the width of the per-layer round columns.
+        group: group fairness metrics (a binary task with a sensitive attribute: demographic
+            parity and equal opportunity gaps; /eval/group).
+        personal: the personal models' accuracies and losses (Ditto; /eval/personal_*).
+        adapted: the clients after local adaptation (``run.adapt_epochs`` > 0; /eval/adapted).
+        loss: a regression loss: the test loss is summarised, no accuracy (/eval/loss).
+    """
+
+    num_clients: int
+    num_layers: int
+    group: bool = False
+    personal: bool = False
+    adapted: bool = False
+    loss: bool = False
+
+
 class MetricHistory:
     """Every /rounds row and /eval entry so far, in memory (rank 0), for checkpoints and resume.
 
     Size O(R + E K) numbers: tiny next to the model history an aggregator keeps.
     """
 
-    def __init__(self, num_clients: int, num_layers: int, group_metrics: bool = False,
-                 personal_metrics: bool = False, adapted_metrics: bool = False,
-                 loss_metrics: bool = False) -> None:
-        self.num_clients, self.num_layers = num_clients, num_layers
-        self.personal_metrics, self.adapted_metrics = personal_metrics, adapted_metrics
-        self.loss_metrics = loss_metrics
-        self.summary_keys = (SUMMARY_KEYS + (GROUP_KEYS if group_metrics else ())
-                             + (PERSONAL_KEYS if personal_metrics else ())
-                             + (ADAPTED_KEYS if adapted_metrics else ())
-                             + (LOSS_KEYS if loss_metrics else ()))
+    def __init__(self, metrics: MetricSet) -> None:
+        self.metrics = metrics
+        self.num_clients, self.num_layers = metrics.num_clients, metrics.num_layers
+        self.summary_keys = (SUMMARY_KEYS + (GROUP_KEYS if metrics.group else ())
+                             + (PERSONAL_KEYS if metrics.personal else ())
+                             + (ADAPTED_KEYS if metrics.adapted else ())
+                             + (LOSS_KEYS if metrics.loss else ()))
         self.rounds: dict[str, list[Any]] = {
             name: [] for name in {**ROUND_COLUMNS, **LAYER_COLUMNS, **SELECTION_COLUMNS}}
         self.eval_round: list[int] = []
@@ -58,11 +78,11 @@ class MetricHistory:
         self.eval_round.append(int(round_done))
         self.accuracy.append(np.asarray(accuracy, dtype=np.float64))
         self.loss.append(np.asarray(loss, dtype=np.float64))
-        if self.personal_metrics:
+        if self.metrics.personal:
             assert personal is not None  # a history with personal metrics is given them
             self.personal_accuracy.append(np.asarray(personal[0], dtype=np.float64))
             self.personal_loss.append(np.asarray(personal[1], dtype=np.float64))
-        if self.adapted_metrics:
+        if self.metrics.adapted:
             assert adapted is not None  # likewise after adaptation
             self.adapted_accuracy.append(np.asarray(adapted[0], dtype=np.float64))
             self.adapted_loss.append(np.asarray(adapted[1], dtype=np.float64))
@@ -89,10 +109,10 @@ class MetricHistory:
 
     def _per_client(self) -> list[tuple[str, list[np.ndarray]]]:
         out = [("client_accuracy", self.accuracy), ("client_loss", self.loss)]
-        if self.personal_metrics:
+        if self.metrics.personal:
             out += [("personal_accuracy", self.personal_accuracy),
                     ("personal_loss", self.personal_loss)]
-        if self.adapted_metrics:
+        if self.metrics.adapted:
             out += [("adapted/client_accuracy", self.adapted_accuracy),
                     ("adapted/client_loss", self.adapted_loss)]
         return out
@@ -101,9 +121,9 @@ class MetricHistory:
     def from_group(cls, g: h5py.Group, version: int = SCHEMA_VERSION) -> "MetricHistory":
         """Inverse of :meth:`to_group` (raises KeyError if a column is missing); a history
         written under schema ``version`` 1 has its std converted to a fraction."""
-        h = cls(g["eval/client_accuracy"].shape[1], g["rounds/conflicts_layer"].shape[1],
-                group_metrics="eval/group" in g, personal_metrics="eval/personal_accuracy" in g,
-                adapted_metrics="eval/adapted" in g, loss_metrics="eval/loss" in g)
+        h = cls(MetricSet(g["eval/client_accuracy"].shape[1], g["rounds/conflicts_layer"].shape[1],
+                          group="eval/group" in g, personal="eval/personal_accuracy" in g,
+                          adapted="eval/adapted" in g, loss="eval/loss" in g))
         num_rounds = len(g["rounds/round"])
         for name in h.rounds:
             if f"rounds/{name}" not in g and name in (*LATER_COLUMNS, *SELECTION_COLUMNS):
@@ -113,10 +133,10 @@ class MetricHistory:
         h.eval_round = g["eval/round"][()].tolist()
         h.accuracy = list(g["eval/client_accuracy"][()])
         h.loss = list(g["eval/client_loss"][()])
-        if h.personal_metrics:
+        if h.metrics.personal:
             h.personal_accuracy = list(g["eval/personal_accuracy"][()])
             h.personal_loss = list(g["eval/personal_loss"][()])
-        if h.adapted_metrics:
+        if h.metrics.adapted:
             h.adapted_accuracy = list(g["eval/adapted/client_accuracy"][()])
             h.adapted_loss = list(g["eval/adapted/client_loss"][()])
         for name in h.summary_keys:

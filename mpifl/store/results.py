@@ -60,7 +60,7 @@ This module is the stable import surface; the work is split by job:
 
 from mpifl.store.encoding import (CHUNK_ELEMENTS, COMPRESS_MIN_BYTES, GZIP_LEVEL, ChunkCache,
                                   LocalState, chunk_shape, create_dataset)
-from mpifl.store.history import MetricHistory
+from mpifl.store.history import MetricHistory, MetricSet
 from mpifl.store.reader import (Damaged, DamagedResults, LazyArray, check_values, damage_reason,
                                 read_many, read_results)
 from mpifl.store.schema import (ADAPTED_KEYS, CLIENT_COLUMNS, GROUP_KEYS, LAYER_COLUMNS,
@@ -72,6 +72,6 @@ __all__ = ["ADAPTED_KEYS", "CHUNK_ELEMENTS", "CLIENT_COLUMNS", "COMPRESS_MIN_BYT
            "FLUSH_SECONDS", "GROUP_KEYS", "GZIP_LEVEL", "LAYER_COLUMNS", "LOSS_KEYS",
            "MEASURED_COLUMNS", "PERSONAL_KEYS", "READABLE_VERSIONS", "ROUND_COLUMNS",
            "SCHEMA_VERSION", "SELECTION_COLUMNS", "SYSTEM_COLUMNS", "ChunkCache", "Damaged",
-           "DamagedResults", "LazyArray", "LocalState", "MetricHistory", "ResultsWriter",
+           "DamagedResults", "LazyArray", "LocalState", "MetricHistory", "MetricSet", "ResultsWriter",
            "check_values", "chunk_shape", "create_dataset", "damage_reason", "preflight",
            "read_many", "read_results"]

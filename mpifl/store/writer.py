@@ -22,7 +22,7 @@ from mpifl.core.errors import OutputError
 from mpifl.core.locking import clean_stale_temporaries
 from mpifl.core.version import __version__
 from mpifl.store.encoding import LocalState, create_dataset, write_local
-from mpifl.store.history import MetricHistory
+from mpifl.store.history import MetricHistory, MetricSet
 from mpifl.store.schema import (CLIENT_COLUMNS, LAYER_COLUMNS, ROUND_COLUMNS, SCHEMA_VERSION,
                                 SELECTION_COLUMNS, SYSTEM_COLUMNS)
 from mpifl.store.sealed import reason, write_atomic
@@ -69,10 +69,9 @@ class ResultsWriter:
     Args:
         path: the .h5 file to create (replaced if it exists; the CLI asks first).
         config_json: the validated config as JSON text.
+        metrics: which metrics the run records (K, L and the optional groups of columns).
         world_size: MPI ranks of the run.
-        num_clients: K, the width of the per-client evaluation arrays.
-        adapted_metrics: the run evaluates after local adaptation (``run.adapt_epochs`` > 0):
-            /eval/adapted/... is written.
+        algorithm: the rule's name (an attribute of the file).
         history: rows to write first (a resumed run rewrites its results from its checkpoint);
             kept up to date with every later append, for the next checkpoint.
         clients: the /clients datasets (CLIENT_COLUMNS: ``num_train``, ``num_test`` (K,) and
@@ -82,18 +81,16 @@ class ResultsWriter:
         OutputError: the file cannot be written (the previous file, if any, is untouched).
     """
 
-    def __init__(self, path: Path, config_json: str, *, world_size: int, num_clients: int,
-                 num_layers: int, algorithm: str, group_metrics: bool = False,
-                 personal_metrics: bool = False, history: MetricHistory | None = None,
-                 clients: dict[str, np.ndarray] | None = None, adapted_metrics: bool = False,
-                 loss_metrics: bool = False):
+    def __init__(self, path: Path, config_json: str, metrics: MetricSet, *, world_size: int,
+                 algorithm: str, history: MetricHistory | None = None,
+                 clients: dict[str, np.ndarray] | None = None):
         self.path = Path(path)
         clean_stale_temporaries(self.path.parent, f".{self.path.name}.tmp-")
         self.attrs = {"schema_version": SCHEMA_VERSION, "mpifl_version": __version__,
                       "config": config_json, "world_size": world_size,
-                      "num_clients": num_clients, "algorithm": algorithm, "status": "running"}
-        self.history = MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
-                                     adapted_metrics, loss_metrics)
+                      "num_clients": metrics.num_clients, "algorithm": algorithm,
+                      "status": "running"}
+        self.history = MetricHistory(metrics)
         self.clients = {k: np.asarray(v, dtype=np.int64) for k, v in (clients or {}).items()}
         self._model: tuple[np.ndarray, list[tuple[str, int, int]]] | None = None
         self._local: LocalState | None = None
@@ -101,15 +98,14 @@ class ResultsWriter:
         self.system: tuple[Callable[[], dict[str, np.ndarray]], list[str]] | None = None
         self._written, self._cost = 0.0, 0.0  # monotonic time of the last write, its seconds
         self._pending = self._eval_pending = False
-        old = history or MetricHistory(num_clients, num_layers, group_metrics, personal_metrics,
-                                       adapted_metrics, loss_metrics)
+        old = history or MetricHistory(metrics)
         for i in range(len(old.rounds["round"])):
             self.append_round({name: col[i] for name, col in old.rounds.items()}, flush=False)
         for i, rnd in enumerate(old.eval_round):
             personal = ((old.personal_accuracy[i], old.personal_loss[i])
-                        if personal_metrics else None)
+                        if metrics.personal else None)
             adapted = ((old.adapted_accuracy[i], old.adapted_loss[i])
-                       if adapted_metrics else None)
+                       if metrics.adapted else None)
             self.append_eval(rnd, old.accuracy[i], old.loss[i],
                              {name: old.summary[name][i] for name in old.summary_keys}, personal,
                              adapted, flush=False)
