@@ -52,7 +52,7 @@ docs:
 # the tests that start mpiexec or use the SLURM cluster one at a time (their ranks take the cores).
 test: install data slurm-deps lint types docs
 	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm" --durations=15
-	$(PYTHON) -m pytest -q -m "mpi or slurm" --durations=15
+	$(PYTHON) -m pytest -q -m "mpi or slurm" --durations=40
 
 bench: install
 	mpifl bench aggregation --algorithms fedfv --m 10,60,200 --d 199210
