@@ -112,10 +112,13 @@ def test_sharded_run_equals_the_one_rank_server(job, algorithm, ranks, shards):
 def test_resume_with_the_same_p_is_exact_and_with_another_p_close(job):
     full = job.parent / "full-p3.h5"
     run(3, "run", str(job), "--out", str(full), "--set", "server.shards=3")
+    first = job.parent / "part-p3.h5"  # one stopped run, copied for each resume below
+    run(3, "run", str(job), "--out", str(first), "--set", "server.shards=3",
+        "--set", "run.rounds=8")  # a multiple of eval_every: the same evaluations
     for ranks, shards in ((3, 3), (4, 2), (2, 1), (1, 1)):
         part = job.parent / f"part-{ranks}-{shards}.h5"
-        run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
-            "--set", "run.rounds=8")  # a multiple of eval_every: the same evaluations
+        shutil.copy2(first, part)
+        shutil.copytree(checkpoint.folder_for(first), checkpoint.folder_for(part))
         run(ranks, "run", str(job), "--out", str(part), "--resume",
             "--set", f"server.shards={shards}")
         got = contents(part)
