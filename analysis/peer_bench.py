@@ -180,7 +180,7 @@ class MpiflRounds:
         from mpifl import aggregators
         from mpifl.experiment.assemble import make_trainer, trainer_path
         from mpifl.runtime.backends import LocalClients
-        from mpifl.runtime.server import Server
+        from mpifl.runtime.server import Server, ServerSetup
         from mpifl.store.results import MetricSet, ResultsWriter
 
         cfg, parts = wl.cfg, wl.parts
@@ -193,7 +193,8 @@ class MpiflRounds:
         writer = ResultsWriter(out, cfg.to_json(),
                                MetricSet(parts.fed.num_clients, len(parts.layout.layers)),
                                world_size=1, algorithm=cfg.server.algorithm)
-        self.server = Server(wl.plan.rounds, parts.fed, parts.layout, clients, agg, writer, dev)
+        self.server = Server(wl.plan.rounds,
+                             ServerSetup(parts.fed, parts.layout, clients, agg, writer, dev))
         self.w = parts.w0.clone()
         self.rnd = 0
 
