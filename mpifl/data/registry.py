@@ -323,17 +323,8 @@ def register_dataset(name: str, *, params: type[Params] | None = None,
         raise ValueError(f"data set {name!r}: lazy= must be a function and the data set must "
                          f"declare provides=({CLIENTS!r}, ...)")
 
-    declarations = {"Params": params, "provides": declared, "lazy": lazy, "shape": shape}
-
-    def deco(fn: F) -> F:
-        # the loader carries its declarations, read back by params_class, data_shape, ...
-        for attr, value in declarations.items():
-            if value is not None:
-                setattr(fn, attr, value)
-        DATASET_LOADERS.register(name)(fn)
-        return fn
-
-    return deco
+    return _declaring(DATASET_LOADERS, name, {"Params": params, "provides": declared,
+                                              "lazy": lazy, "shape": shape})
 
 
 def register_partition(name: str, *, params: type[Params] | None = None,
@@ -352,14 +343,19 @@ def register_partition(name: str, *, params: type[Params] | None = None,
     """
     wanted = _tags(needs, f"partition {name!r}")
 
-    declarations = {"Params": params, "needs": wanted}
+    return _declaring(PARTITIONERS, name, {"Params": params, "needs": wanted})
+
+
+def _declaring(registry: Registry[Any], name: str, declarations: dict[str, Any]
+               ) -> Callable[[F], F]:
+    """The decorator that registers a function as ``name`` carrying its ``declarations`` (the
+    non-None ones, as attributes read back by params_class, data_shape and compat)."""
 
     def deco(fn: F) -> F:
-        # the partition carries its declarations, read back by params_class and compat
         for attr, value in declarations.items():
             if value is not None:
                 setattr(fn, attr, value)
-        PARTITIONERS.register(name)(fn)
+        registry.register(name)(fn)
         return fn
 
     return deco
