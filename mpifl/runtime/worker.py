@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from mpifl.clients.interface import ClientTrainer
-from mpifl.runtime.backends import client_rows, evaluate_clients, group_setup, stats_rows
+from mpifl.runtime.backends import (client_rows, evaluate_clients, group_setup, stats_rows,
+                                    stats_width)
 from mpifl.runtime.comm import rank_counts, release_free_memory, split_by_samples
 from mpifl.runtime.protocol import (TRAIN, EvalReport, Evaluated, MPITransport, Request,
                                     TrainBlock)
@@ -70,11 +71,17 @@ class Worker:
         self.eval_ids = np.arange(bounds[self.block], bounds[self.block + 1], dtype=np.int64)
         self.groups = group_setup(fed, device)
 
-    def mine(self, client_ids: np.ndarray, sizes: np.ndarray | None = None) -> np.ndarray:
-        """This rank's block of ``client_ids`` by ``sizes`` (default: training samples)."""
+    def split(self, client_ids: np.ndarray, sizes: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """(this rank's block of ``client_ids``, every rank's block bounds (workers + 1,)),
+        blocks of about equal ``sizes`` (default: training samples)."""
         sizes = self.fed.num_train if sizes is None else sizes
         bounds = split_by_samples(sizes[client_ids], self.workers)
-        return client_ids[bounds[self.block]:bounds[self.block + 1]]
+        return client_ids[bounds[self.block]:bounds[self.block + 1]], bounds
+
+    def mine(self, client_ids: np.ndarray, sizes: np.ndarray | None = None) -> np.ndarray:
+        """This rank's block of ``client_ids`` by ``sizes`` (default: training samples)."""
+        return self.split(client_ids, sizes)[0]
 
     def tested(self, client_ids: np.ndarray) -> np.ndarray:
         """This rank's clients of an evaluation: its static share of all K, or its block of
@@ -90,18 +97,17 @@ class Worker:
     def train(self, req: Request) -> TrainBlock:
         """This rank's block of the round's clients trained (nothing of the round is kept:
         the next round's updates never sit beside this round's)."""
-        bounds = split_by_samples(self.fed.num_train[req.client_ids], self.workers)
-        ids = req.client_ids[bounds[self.block]:bounds[self.block + 1]]
+        ids, bounds = self.split(req.client_ids)
         t0 = time.perf_counter()
-        w, cols = self._w(req), self.trainer.columns
+        cols = self.trainer.columns
         if len(ids) == 0:
-            return TrainBlock(np.empty((0, w.numel()), np.float32), np.empty(0, np.float32),
+            return TrainBlock(np.empty((0, len(req.w)), np.float32), np.empty(0, np.float32),
                               np.empty((0, cols.stats_width), np.float32),
                               time.perf_counter() - t0, rank_counts(bounds))
         state = None if req.state is None else torch.from_numpy(req.state).to(self.device)
         with client_rows(self.fed, ids, self.trainer) as (idx, _):
-            updates, losses, stats = self.trainer.run_round(w, req.round, req.lr, ids, idx,
-                                                            req.inputs, state)
+            updates, losses, stats = self.trainer.run_round(self._w(req), req.round, req.lr,
+                                                            ids, idx, req.inputs, state)
         return TrainBlock(updates.cpu().numpy(), losses.cpu().numpy(),
                           stats_rows(cols, stats, len(ids)).cpu().numpy(),
                           time.perf_counter() - t0, rank_counts(bounds))
@@ -125,7 +131,7 @@ class Worker:
         before each (and stopping there when rank 0 says so: NaN for the rest)."""
         ids = self.tested(req.client_ids)
         if not len(ids):
-            width = 0 if self.groups is None else self.groups[1] * 6
+            width = 0 if self.groups is None else stats_width(self.groups[1])
             pair = (np.empty(0), np.empty(0))
             return Evaluated(np.empty(0), np.empty(0), np.empty((0, width)) if width else None,
                              pair if req.personal is not None else None,
