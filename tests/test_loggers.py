@@ -77,13 +77,11 @@ def test_tensorboard_events_hold_the_scalars(logged):
 def test_wandb_offline_run_records_the_round_values(job, monkeypatch, caplog):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    # wandb's own service gets 30 s to start; on a machine busy with the parallel test tier it
-    # can take longer, the logger then fails and the run drops it (with a warning) and goes on
-    monkeypatch.setenv("WANDB__SERVICE_WAIT", "300")
+    monkeypatch.delenv("WANDB__SERVICE_WAIT", raising=False)  # the logger's own allowance
     out = job.parent / "wandb.h5"
     assert main(["run", str(job), "--out", str(out), "--no-progress", "--log", "wandb"]) == 0
     dropped = [r.getMessage() for r in caplog.records if "wandb" in r.getMessage()]
-    assert not dropped, dropped  # the logger ran to the end
+    assert not dropped, dropped  # the logger ran to the end (not dropped: see SERVICE_WAIT_S)
     (record,) = glob.glob(str(out.with_suffix(".wandb") / "wandb" / "offline-run-*" / "run-*.wandb"))
     data = Path(record).read_bytes()  # protobuf records keep keys and JSON values as text
     with h5py.File(out) as f:

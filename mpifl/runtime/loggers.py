@@ -194,6 +194,10 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+#: seconds the W&B logger lets wandb's service take to start (wandb's own default: 30)
+SERVICE_WAIT_S = 300
+
+
 @LOGGERS.register("wandb")
 class WandbLogger:
     """Weights & Biases: one W&B run per mpifl run, files in ``RUN.wandb/``, the config as its
@@ -208,6 +212,9 @@ class WandbLogger:
 
         folder = self.path = Path(out).with_suffix(self.suffix)
         folder.mkdir(parents=True, exist_ok=True)
+        # wandb gives its service 30 s to start; on a node busy with the run's own ranks it
+        # can take longer, and the logger would be dropped (WANDB__SERVICE_WAIT still wins)
+        os.environ.setdefault("WANDB__SERVICE_WAIT", str(SERVICE_WAIT_S))
         mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb's own variable; it checks it
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "mpifl"),
                               name=config.get("run", {}).get("name"), config=config,
