@@ -28,6 +28,9 @@ __all__ = ["ClientTrainer", "TrainOptions", "TrainerWrapper", "trainer_keywords"
 
 T = TypeVar("T")
 
+#: the two generators of the keyed minibatch order (:mod:`mpifl.clients.minibatches`)
+ORDERS = ("pcg64", "counter")
+
 
 @dataclass(frozen=True)
 class TrainOptions:
@@ -52,6 +55,9 @@ class TrainOptions:
             training's own stream; :data:`mpifl.core.rng.ADAPT_TAG` for adaptation).
         loss: the :class:`mpifl.models.losses.Loss` of training and evaluation (None:
             cross-entropy).
+        minibatch_order: how :func:`~mpifl.clients.minibatches.batch_order` draws from the
+            key: ``"pcg64"`` (numpy's generator, a client at a time on the host) or
+            ``"counter"`` (:mod:`mpifl.core.counter`, a chunk's clients at once on ``device``).
 
     Raises:
         ValueError: out-of-range values.
@@ -69,12 +75,15 @@ class TrainOptions:
     pretrain_losses: bool = True
     order_tag: int | None = None
     loss: Loss | None = None
+    minibatch_order: str = "pcg64"
 
     def __post_init__(self) -> None:
         if (self.epochs < 1 or self.batch_size < 0 or self.momentum < 0 or self.weight_decay < 0
-                or self.memory_budget_mb <= 0 or self.prox_mu < 0):
+                or self.memory_budget_mb <= 0 or self.prox_mu < 0
+                or self.minibatch_order not in ORDERS):
             raise ValueError("need epochs >= 1, batch_size >= 0, momentum >= 0, "
-                             "weight_decay >= 0, prox_mu >= 0 and memory_budget_mb > 0")
+                             "weight_decay >= 0, prox_mu >= 0, memory_budget_mb > 0 and a "
+                             f"minibatch_order of {ORDERS}")
 
     @classmethod
     def split(cls, options: Mapping[str, Any]) -> tuple[TrainOptions, dict[str, Any]]:

@@ -209,7 +209,8 @@ def make_adapter(plan: Plan, parts: Parts, device: torch.device,
     options = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, momentum=a.momentum,
                            weight_decay=a.weight_decay, seed=plan.seed,
                            memory_budget_mb=a.memory_budget_mb, device=device,
-                           pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss)
+                           pretrain_losses=False, order_tag=ADAPT_TAG, loss=parts.loss,
+                           minibatch_order=plan.trainer.options["minibatch_order"])
     return Blamed(cls(parts.model, parts.layout, x, y, options), plugin_parts(plan, parts))
 
 

@@ -240,6 +240,17 @@ class ClientConfig(_Section):
     model: the oracle), "auto" (the fastest correct one for the model and device, logged and
     stored in the results as the attribute "trainer"; pin it for bit-for-bit
     reproducibility)."""
+    minibatch_order: Literal["pcg64", "counter"] = "pcg64"
+    """How each client's minibatch order is drawn from its key (seed, round, client, epoch):
+    "pcg64" (numpy's generator, one client at a time on the host), or "counter" (a
+    counter-based hash, mpifl/core/counter.py: every client of a chunk at once, on the
+    trainer's device, for GPU rounds of thousands of clients). Another order, so other
+    (equally valid) results; every recorded run is "pcg64"."""
+    samples_on: Literal["auto", "device", "host"] = "auto"
+    """Where a worker on a GPU keeps its clients' samples: "device" (moved to the GPU once at
+    set-up; a round moves only the model and the updates), "host" (in host memory, each
+    chunk's samples moved when it trains: data larger than the GPU), "auto" (the device when
+    the GPU memory estimate fits, logged). The same on a CPU; changes no result."""
 
 
 class ServerConfig(_Section):

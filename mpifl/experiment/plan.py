@@ -78,7 +78,8 @@ class Plan:
             build_parts` builds).
         trainer: local training; adapt: adapted evaluation (None: off); meta: the meta step
             (None: off); optimizer: the server optimizer.
-        device: ``server.device`` (``auto``, ``cpu`` or ``cuda``).
+        device: ``server.device`` (``auto``, ``cpu`` or ``cuda``); samples_on:
+            ``client.samples_on``, where a worker on a GPU keeps its clients' samples.
         shards: P, ranks 0 .. P-1 aggregate one block of the parameters each (1: rank 0 alone).
         peer_timeout_s, setup_timeout_s: the bounds of ``[run]`` (0: none).
         threads: ``run.threads``, each rank's threads (0: decided at set-up,
@@ -99,6 +100,7 @@ class Plan:
     trainer: TrainerPlan
     optimizer: ServerOptimizerParams
     device: str = "auto"
+    samples_on: str = "auto"
     shards: int = 1
     peer_timeout_s: float = 0.0
     setup_timeout_s: float = 0.0
@@ -129,7 +131,7 @@ def make_plan(cfg: Config) -> Plan:
         trainer=_trainer_plan(cfg, rule),
         optimizer=ServerOptimizerParams(server.optimizer, server.lr, server.momentum,
                                         server.betas[0], server.betas[1], server.tau),
-        device=server.device, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
+        device=server.device, samples_on=client.samples_on, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
         setup_timeout_s=run.setup_timeout_s, threads=run.threads,
         adapt=(AdaptPlan(run.adapt_epochs, client.batch_size, client.momentum,
                          client.weight_decay, client.memory_budget_mb)
@@ -167,7 +169,7 @@ def _trainer_plan(cfg: Config, rule) -> TrainerPlan:
     c = cfg.client
     options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
                    weight_decay=c.weight_decay, seed=cfg.run.seed,
-                   memory_budget_mb=c.memory_budget_mb)
+                   memory_budget_mb=c.memory_budget_mb, minibatch_order=c.minibatch_order)
     options.update(rule.client_options(cfg.rule_params()))
     if not rule.needs.losses:
         options["pretrain_losses"] = False
