@@ -113,6 +113,22 @@ def test_one_two_three_ranks_give_the_same_accuracies(runs):
 
 
 @pytest.mark.mpi
+def test_the_counter_minibatch_order_gives_the_same_run_on_one_and_three_ranks(small_job, runs,
+                                                                              tmp_path):
+    out = {n: tmp_path / f"counter{n}.h5" for n in (1, 3)}
+    for n, path in out.items():
+        run_mpifl(n, small_job, path, "--set", "client.minibatch_order=counter")
+    files = {n: h5py.File(p, "r") for n, p in {**out, "pcg64": runs[1]}.items()}
+    acc = {n: f["eval/client_accuracy"][()] for n, f in files.items()}
+    model = {n: f["model/global"][()] for n, f in files.items()}
+    np.testing.assert_array_equal(acc[3], acc[1])
+    np.testing.assert_allclose(model[3], model[1], rtol=0, atol=1e-5)
+    assert np.abs(model[1] - model["pcg64"]).max() > 1e-3  # another order, another model
+    assert acc[1][-1].mean() > 0.3  # and it learns as well
+    assert '"minibatch_order": "counter"' in files[1].attrs["config"]
+
+
+@pytest.mark.mpi
 def test_report_prints_runs_side_by_side(runs, capsys):
     assert main(["report", str(runs[1]), str(runs[3])]) == 0
     out = capsys.readouterr().out

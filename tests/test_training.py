@@ -11,7 +11,6 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from mpifl.clients.interface import TrainOptions
 from mpifl.clients import VmapTrainer, batch_order, client_minibatches
-from mpifl.clients.minibatches import step_widths
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
 from tests.helpers import train
@@ -23,7 +22,7 @@ ATOL = 1e-5
 
 
 def oracle_train(model, x, y, w, *, round, lr, client_ids, sample_idx, epochs, batch_size,
-                 momentum=0.0, weight_decay=0.0, seed=0, prox_mu=0.0):
+                 momentum=0.0, weight_decay=0.0, seed=0, prox_mu=0.0, minibatch_order="pcg64"):
     """Obviously correct local training: one client at a time, torch.optim.SGD,
     docs/ALGORITHMS.md §1 (with FedProx's proximal term ``(mu/2)||w_k - w||^2`` added to the loss
     when prox_mu > 0)."""
@@ -34,7 +33,8 @@ def oracle_train(model, x, y, w, *, round, lr, client_ids, sample_idx, epochs, b
         with torch.no_grad():
             losses.append(F.cross_entropy(net(x[idx]), y[idx]))
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-        for pos in client_minibatches(seed, round, cid, len(idx), epochs, batch_size):
+        for pos in client_minibatches(seed, round, cid, len(idx), epochs, batch_size,
+                                      order=minibatch_order):
             batch = idx[pos]
             opt.zero_grad()
             loss = F.cross_entropy(net(x[batch]), y[batch])
@@ -178,10 +178,11 @@ def test_steps_drop_columns_that_are_padding_in_every_client():
     # only the last step is padding beyond 2 columns in both clients
     model, layout, x, y, idx = setup(sizes=(12, 7))
     trainer = VmapTrainer(model, layout, x, y, TrainOptions(epochs=2, batch_size=5))
-    _, weights, steps = trainer._schedule(0, np.array([0, 1]), np.array([12, 7]))
-    assert weights.shape == (2, 6, 5) and steps.tolist() == [6, 4]
-    assert step_widths(weights).tolist() == [5, 5, 5, 5, 5, 2]
-    assert step_widths(np.zeros((2, 1, 4))).tolist() == [1]
+    plan = trainer._plan(0, np.array([0, 1]), np.array([12, 7]))
+    assert plan.weights.shape == (2, 6, 5) and plan.steps.tolist() == [6, 4]
+    assert plan.real.tolist() == [[5, 5, 2, 5, 5, 2], [5, 2, 5, 2, 0, 0]]
+    assert plan.widths.tolist() == [5, 5, 5, 5, 5, 2]
+    assert plan.real.tolist() == plan.weights.sum(2).int().tolist()
     # the trimmed steps give the per-client oracle's updates
     assert_same(*run_both(model, layout, x, y, idx, epochs=2, batch_size=5)[:2])
 

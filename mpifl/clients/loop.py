@@ -228,7 +228,8 @@ class LoopTrainer(TrainerBase):
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=self.random), torch.enable_grad():
             for step, pos in enumerate(client_minibatches(self.seed, round, cid, n, self.epochs,
-                                                          self.batch_size, self.order_tag)):
+                                                          self.batch_size, self.order_tag,
+                                                          self.minibatch_order)):
                 if self.random:
                     torch.manual_seed(step_seed(self.seed, round, cid, step, self.order_tag))
                 p = torch.as_tensor(pos, device=self.device)

@@ -204,7 +204,7 @@ class LagrangianTrainer(VmapTrainer):
     def _positive_probability(self, out: Tensor) -> Tensor:
         return out[..., 1] if self._softmax_output else torch.softmax(out, dim=-1)[..., 1]
 
-    def _batch_extras(self, sample_rows: np.ndarray) -> tuple[Tensor, ...]:
+    def _batch_extras(self, sample_rows: Tensor) -> tuple[Tensor, ...]:
         """The sensitive group (m, Bp) of every row of the step's minibatches."""
         rows = torch.as_tensor(sample_rows, device=self.sensitive.device)
         return (self.sensitive[rows].to(self.device),)

@@ -2,58 +2,170 @@
 
 A client's minibatches depend only on ``(seed, round, client_id, epoch)`` (ALGORITHMS.md §1),
 never on the rank or chunk it is trained in: :func:`batch_order` is the order of one epoch,
-:func:`client_minibatches` one client's whole round for per-client loops, and
-:func:`step_widths` how much of a chunk's padded schedule holds real samples.
+:func:`client_minibatches` one client's whole round for per-client loops,
+:func:`minibatch_schedule` a chunk's padded steps for the vectorised trainers.
+
+Two generators draw the order from the key (``client.minibatch_order``): ``"pcg64"``, numpy's
+``default_rng(key)``, one client at a time on the host; ``"counter"``, the counter-based hash of
+:mod:`mpifl.core.counter`, which :func:`minibatch_schedule` computes for every client of a chunk
+at once on the trainer's device (no host loop over clients: what a GPU round of thousands of
+clients needs). Both are keyed by the same coordinates; they give different orders.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from mpifl.core import counter
+from mpifl.core.rng import MINIBATCH_TAG
+
+
+def _counter_key(seed: int, round: int, tag: int | None) -> list[int]:
+    """The leading words of the counter order's key; the client id and epoch follow."""
+    return [int(seed), MINIBATCH_TAG, int(round)] + ([] if tag is None else [int(tag)])
 
 
 def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int,
-                tag: int | None = None) -> np.ndarray:
+                tag: int | None = None, order: str = "pcg64") -> np.ndarray:
     """Order in which client ``client_id`` visits its n samples in ``epoch`` of ``round``.
 
-    A permutation of ``range(n)`` (int64) from ``np.random.default_rng([seed, round, client_id,
-    epoch])`` (ALGORITHMS.md §1), so it does not depend on the rank or chunk a client is trained in.
-    With a ``tag`` (e.g. :data:`mpifl.core.rng.ADAPT_TAG`) the key is ``[seed, round, client_id,
-    epoch, tag]``: a stream of its own, apart from training's.
+    A permutation of ``range(n)`` (int64), so it does not depend on the rank or chunk a client
+    is trained in. ``order = "pcg64"``: ``np.random.default_rng([seed, round, client_id,
+    epoch])`` (ALGORITHMS.md §1); with a ``tag`` (e.g. :data:`mpifl.core.rng.ADAPT_TAG`) the key
+    is ``[seed, round, client_id, epoch, tag]``: a stream of its own, apart from training's.
+    ``order = "counter"``: :func:`mpifl.core.counter.order_np` of ``(seed, MINIBATCH_TAG,
+    round[, tag], client_id, epoch)``, the oracle of :func:`minibatch_schedule`'s device path.
+
+    Raises:
+        ValueError: an unknown ``order``.
     """
+    if order == "counter":
+        return counter.order_np(int(n), *_counter_key(seed, round, tag), int(client_id),
+                                int(epoch))
+    if order != "pcg64":
+        raise ValueError(f"minibatch order must be 'pcg64' or 'counter', got {order!r}")
     key = [int(seed), int(round), int(client_id), int(epoch)] + ([] if tag is None else [int(tag)])
     rng = np.random.default_rng(key)
     return rng.permutation(int(n)).astype(np.int64, copy=False)
 
 
 def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
-                       batch_size: int, tag: int | None = None) -> Iterator[np.ndarray]:
+                       batch_size: int, tag: int | None = None,
+                       order: str = "pcg64") -> Iterator[np.ndarray]:
     """ALGORITHMS.md §1's minibatches of one client in one round, for per-client loops (the oracles
     and the sequential baseline of ``mpifl bench simulate``).
 
     Yields (b,) int64 positions into the client's n samples: E epochs, each in
-    :func:`batch_order` (keyed with ``tag`` when given) cut into runs of ``batch_size`` (the last
-    may be shorter); one batch of all n in order per epoch when ``batch_size`` is 0.
+    :func:`batch_order` (keyed with ``tag`` when given, drawn by ``order``) cut into runs of
+    ``batch_size`` (the last may be shorter); one batch of all n in order per epoch when
+    ``batch_size`` is 0.
     """
     size = n if batch_size == 0 else batch_size
     for epoch in range(epochs):
-        order = (np.arange(n) if batch_size == 0
-                 else batch_order(seed, round, client_id, epoch, n, tag))
+        perm = (np.arange(n) if batch_size == 0
+                else batch_order(seed, round, client_id, epoch, n, tag, order))
         for start in range(0, n, size):
-            yield order[start:start + size]
+            yield perm[start:start + size]
 
 
-def step_widths(weights: np.ndarray) -> npt.NDArray[np.int64]:
-    """Per step index, how many leading minibatch positions hold a real sample in some client.
+@dataclass(frozen=True)
+class Schedule:
+    """A chunk's padded minibatch plan (:func:`minibatch_schedule`); T = the most steps of a
+    client, Bp the padded minibatch.
 
-    ``weights`` (m, T, Bp) 0/1 from :meth:`mpifl.clients.trainer.VmapTrainer._schedule` (real
-    samples first in each padded minibatch). Returns (T,) int64 >= 1: a step may drop the
-    columns past this width, which are padding in every client (e.g. everyone's short last
-    minibatch), exactly.
+    Attributes:
+        rows: (m, T, Bp) int64 on the device: indices into the chunk's concatenated samples
+            (client i's at ``starts[i]:starts[i] + sizes[i]``); padding points at the client's
+            own first sample (a finite loss, weight 0).
+        weights: (m, T, Bp) float32 on the device, 1 real, 0 padding (real samples first in
+            each minibatch).
+        steps: (m,) int64, each client's real steps (a prefix of the step indices).
+        real: (m, T) int64, the real samples of each minibatch (0 past a client's steps):
+            known from the sizes alone, so kept on the host.
     """
-    # numpy types reductions along an axis as Any; the astype makes this int64
-    widths: npt.NDArray[np.int64] = np.maximum((weights > 0).sum(axis=2).max(axis=0),
-                                               1).astype(np.int64)
-    return widths
+
+    rows: Tensor
+    weights: Tensor
+    steps: np.ndarray
+    real: np.ndarray
+
+    @property
+    def widths(self) -> npt.NDArray[np.int64]:
+        """(T,) int64 >= 1: the leading minibatch columns that hold a real sample in some
+        client at each step (the rest is padding everywhere and may be dropped)."""
+        widths: npt.NDArray[np.int64] = np.maximum(self.real.max(axis=0), 1).astype(np.int64)
+        return widths
+
+    def first_epoch(self, epochs: int) -> npt.NDArray[np.bool_]:
+        """(m, T) bool: the steps of each client's first epoch."""
+        return np.arange(self.real.shape[1])[None, :] < (self.steps // epochs)[:, None]
+
+
+def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.ndarray,
+                       epochs: int, batch_size: int, tag: int | None = None,
+                       order: str = "pcg64", device: torch.device | str = "cpu") -> Schedule:
+    """Every client's minibatches of a round as one padded plan, for the vectorised trainers.
+
+    Client i (id ``client_ids[i]``, n_i = ``sizes[i]`` samples) takes ``E * ceil(n_i / B)``
+    steps (E when B = 0): epoch e is :func:`batch_order` cut into runs of B, exactly the
+    minibatches of :func:`client_minibatches` (its oracle in tests/test_training.py). With
+    ``order = "counter"`` the orders are drawn on ``device``, all clients and epochs at once;
+    with ``"pcg64"`` on the host, one client at a time. The plan is assembled on ``device``.
+
+    Args:
+        client_ids: (m,) int64. sizes: (m,) int64 >= 1 samples per client.
+        epochs, batch_size: E >= 1 and B >= 0 (0: one full batch an epoch).
+
+    Returns:
+        A :class:`Schedule`.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    m, n_max = len(sizes), int(sizes.max())
+    bp = n_max if batch_size == 0 else min(batch_size, n_max)
+    per_epoch = np.ones(m, np.int64) if batch_size == 0 else -(-sizes // batch_size)
+    steps = epochs * per_epoch
+    t = np.arange(int(steps.max()))
+    within = t[None, :] % per_epoch[:, None]
+    real = np.where(t[None, :] < steps[:, None],
+                    np.clip(sizes[:, None] - within * bp, 0, bp), 0).astype(np.int64)
+
+    dev = torch.device(device)
+    sz = torch.as_tensor(sizes, device=dev)
+    pe = torch.as_tensor(per_epoch, device=dev)
+    tt = torch.arange(len(t), device=dev)
+    slot = ((tt[None, :] % pe[:, None]) * bp)[:, :, None] + torch.arange(bp, device=dev)
+    is_real = (tt[None, :] < torch.as_tensor(steps, device=dev)[:, None])[:, :, None] & (
+        slot < sz[:, None, None])
+    if batch_size == 0:
+        pos = slot
+    else:
+        orders = _orders(seed, round, client_ids, sizes, epochs, tag, order, dev)
+        epoch = (tt[None, :] // pe[:, None]).clamp(max=epochs - 1)
+        flat = (epoch * n_max)[:, :, None] + slot.clamp(max=n_max - 1)
+        pos = orders.view(m, -1).gather(1, flat.view(m, -1)).view_as(slot)
+    starts = torch.as_tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), device=dev)
+    rows = torch.where(is_real, pos + starts[:, None, None], starts[:, None, None])
+    return Schedule(rows, is_real.to(torch.float32), steps, real)
+
+
+def _orders(seed: int, round: int, client_ids: np.ndarray, sizes: np.ndarray, epochs: int,
+            tag: int | None, order: str, device: torch.device) -> Tensor:
+    """(m, E, n_max) int64 on ``device``: row (i, e) starts with client i's epoch-e order."""
+    m, n_max = len(sizes), int(sizes.max())
+    if order == "counter":
+        ids = torch.as_tensor(np.asarray(client_ids, dtype=np.int64), device=device)
+        ep = torch.arange(epochs, device=device)
+        n = torch.as_tensor(sizes, device=device)[:, None].expand(m, epochs)
+        return counter.orders_torch([*_counter_key(seed, round, tag), ids[:, None], ep[None, :]],
+                                    n, n_max)
+    out = np.zeros((m, epochs, n_max), dtype=np.int64)
+    for i, (cid, n) in enumerate(zip(client_ids, sizes)):
+        for e in range(epochs):
+            out[i, e, :n] = batch_order(seed, round, int(cid), e, int(n), tag, order)
+    return torch.as_tensor(out, device=device)

@@ -41,7 +41,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 
 from mpifl.clients import evaluation, memory
 from mpifl.clients.interface import TrainOptions
-from mpifl.clients.minibatches import batch_order, step_widths
+from mpifl.clients.minibatches import Schedule, minibatch_schedule
 from mpifl.clients.stacked import stacked_ce_grad, stacked_ce_grad_and_value, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
@@ -87,6 +87,7 @@ class TrainerBase(ABC):
         self.momentum, self.weight_decay = float(options.momentum), float(options.weight_decay)
         self.seed = int(options.seed)
         self.order_tag = None if options.order_tag is None else int(options.order_tag)
+        self.minibatch_order = options.minibatch_order
         self.memory_budget = int(options.memory_budget_mb * 2**20)
         self.device = torch.device(options.device)
         self._in_numel = math.prod(x.shape[1:])
@@ -358,32 +359,12 @@ class VmapTrainer(TrainerBase):
         per_epoch = 1 if self.batch_size == 0 else -(-n // self.batch_size)
         return self.epochs * per_epoch
 
-    def _schedule(self, round: int, client_ids: np.ndarray, sizes: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Padded minibatch plan of a chunk.
-
-        Returns ``rows`` ``(m, T, Bp)`` int64 indices into the chunk's concatenated samples,
-        ``weights`` ``(m, T, Bp)`` float32 (1 real, 0 padding) and ``steps`` ``(m,)`` the
-        number of real steps per client; T = the largest step count, Bp the padded batch.
-        """
-        bp = self._padded_batch(int(sizes.max()))
-        steps = np.array([self._steps(int(n)) for n in sizes], dtype=np.int64)
-        rows = np.full((len(sizes), int(steps.max()), bp), -1, dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        for i, (cid, n, start) in enumerate(zip(client_ids, sizes, starts)):
-            per_epoch = steps[i] // self.epochs
-            for epoch in range(self.epochs):
-                order = (np.arange(n) if self.batch_size == 0
-                         else batch_order(self.seed, round, cid, epoch, n, self.order_tag))
-                # Minibatches are consecutive runs of B samples (one of n when B = 0 or B >= n,
-                # in which case n <= Bp); the tail of the last one is padding.
-                padded = np.full(per_epoch * bp, -1, dtype=np.int64)
-                padded[:n] = order + start
-                rows[i, epoch * per_epoch:(epoch + 1) * per_epoch] = padded.reshape(per_epoch, bp)
-        weights = (rows >= 0).astype(np.float32)
-        # Padding points at the client's own first sample: finite loss, weight 0.
-        rows = np.where(rows >= 0, rows, starts[:, None, None])
-        return rows, weights, steps
+    def _plan(self, round: int, client_ids: np.ndarray, sizes: np.ndarray) -> Schedule:
+        """The chunk's padded minibatch plan on the device
+        (:func:`mpifl.clients.minibatches.minibatch_schedule`)."""
+        return minibatch_schedule(self.seed, round, client_ids, sizes, self.epochs,
+                                  self.batch_size, self.order_tag, self.minibatch_order,
+                                  self.device)
 
     #: True when :meth:`_batch_extras` adds per-sample inputs to the minibatch loss.
     _has_extras = False
@@ -391,10 +372,11 @@ class VmapTrainer(TrainerBase):
     #: the batched path of :mod:`mpifl.clients.stacked` returns detached gradients.
     _plain_steps = True
 
-    def _batch_extras(self, sample_rows: np.ndarray) -> tuple[Tensor, ...]:
+    def _batch_extras(self, sample_rows: Tensor) -> tuple[Tensor, ...]:
         """Extra per-sample tensors (m, Bp, ...) of one step's minibatches, passed to
-        :meth:`_minibatch_loss` between ``yb`` and ``wb``; ``sample_rows`` (m, Bp) int64 are
-        indices into the sample store (e.g. mFairFL's sensitive attribute). None by default."""
+        :meth:`_minibatch_loss` between ``yb`` and ``wb``; ``sample_rows`` (m, Bp) int64 on the
+        device are indices into the sample store (e.g. mFairFL's sensitive attribute). None by
+        default."""
         return ()
 
     def _minibatch_loss(self, params: dict[str, Tensor], xb: Tensor, yb: Tensor, wb: Tensor) -> Tensor:
@@ -421,17 +403,17 @@ class VmapTrainer(TrainerBase):
         (and their page faults) would otherwise cost more than the arithmetic.
         """
         sizes = np.array([len(s) for s in sample_idx], dtype=np.int64)
-        rows_np, weights_np, steps_np = self._schedule(round, client_ids, sizes)
-        store_rows = np.concatenate([np.asarray(s, dtype=np.int64) for s in sample_idx])
+        plan = self._plan(round, client_ids, sizes)
+        rows, weights, steps_np = plan.rows, plan.weights, plan.steps
+        store_np = np.concatenate([np.asarray(s, dtype=np.int64) for s in sample_idx])
+        store_rows = torch.as_tensor(store_np, device=self.device)
         if self.x.device == self.device:
             # The store is already here: index it directly, one copy per step instead of two.
-            xs, ys, rows_np = self.x, self.y, store_rows[rows_np]
-            sample_rows = rows_np
+            xs, ys, rows = self.x, self.y, store_rows[rows]
+            sample_rows = rows
         else:  # move the chunk's samples once, then index on the device
-            xs, ys = self._gather(store_rows)
-            sample_rows = store_rows[rows_np] if self._has_extras else None
-        rows = torch.as_tensor(rows_np, device=self.device)
-        weights = torch.as_tensor(weights_np, device=self.device)
+            xs, ys = self._gather(store_np)
+            sample_rows = store_rows[rows] if self._has_extras else rows
         steps = torch.as_tensor(steps_np, device=self.device)
         flat = (w.expand(len(sizes), -1) if start is None else start.to(w)).clone()
         params = self.layout.unflatten(flat)  # views into flat, (m, *shape) each
@@ -439,11 +421,10 @@ class VmapTrainer(TrainerBase):
         anchor = list(self.layout.unflatten(w).values())  # the round's global params, per tensor
         mu = self.prox_mu if prox_mu is None else float(prox_mu)
         buf: list[Tensor] | None = None
-        widths = step_widths(weights_np)
+        widths = plan.widths
         if loss_out is not None:  # (m, T) real samples of each first-epoch minibatch, else 0
-            first = np.arange(rows.shape[1])[None, :] < (steps_np // self.epochs)[:, None]
-            loss_weight = torch.as_tensor(weights_np.sum(axis=2) * first, dtype=torch.float64,
-                                          device=self.device)
+            loss_weight = torch.as_tensor(plan.real * plan.first_epoch(self.epochs),
+                                          dtype=torch.float64, device=self.device)
         for t in range(rows.shape[1]):
             b = int(widths[t])  # columns that are padding in every client cost nothing
             rt = rows[:, t, :b]

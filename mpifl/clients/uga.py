@@ -44,7 +44,6 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
-from mpifl.clients.minibatches import step_widths
 from mpifl.clients.interface import TrainOptions
 from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.layout import ParamLayout
@@ -220,14 +219,12 @@ class UGATrainer(VmapTrainer):
         w0 = w.expand(m, -1).clone()
         if self._tracer is None:  # E = 1: the plain gradient at w^t
             return self._full_grad(w0, xs, ys, full_rows, full_w, count)
-        rows_np, weights_np, steps_np = self._tracer._schedule(round, client_ids, sizes)
-        if direct:
-            rows_np = store_rows[rows_np]
-        rows = torch.as_tensor(rows_np, device=self.device)
-        weights = torch.as_tensor(weights_np, device=self.device)
+        plan = self._tracer._plan(round, client_ids, sizes)
+        rows = (torch.as_tensor(store_rows, device=self.device)[plan.rows] if direct
+                else plan.rows)
 
         def trace(flat: Tensor) -> Tensor:
-            return self._trace(flat, xs, ys, rows, weights, steps_np, step_widths(weights_np), lr)
+            return self._trace(flat, xs, ys, rows, plan.weights, plan.steps, plan.widths, lr)
 
         # without has_aux, vjp returns (output, pullback)
         w_k, pullback = cast(tuple[Tensor, Callable[[Tensor], tuple[Tensor, ...]]], vjp(trace, w0))

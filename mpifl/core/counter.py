@@ -44,7 +44,8 @@ def mix_np(x: np.ndarray) -> np.ndarray:
     x = (x * np.uint64(_M1)) & np.uint64(MASK)
     x = x ^ (x >> np.uint64(15))
     x = (x * np.uint64(_M2)) & np.uint64(MASK)
-    return x ^ (x >> np.uint64(16))
+    out: np.ndarray = x ^ (x >> np.uint64(16))
+    return out
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:

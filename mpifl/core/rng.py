@@ -11,6 +11,7 @@ client train/test split    ``[seed, k, SPLIT_TAG]``                    data.fede
 Synthetic(alpha, beta)     ``[seed, SYNTHETIC_TAG, k]``                data.synthetic
 minibatch order            ``[seed, round, k, epoch]`` (no tag)        clients.minibatches
 adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.minibatches
+counter minibatch order    ``(seed, MINIBATCH_TAG, round, k, epoch)``  clients.minibatches
 client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
 FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
 client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
@@ -45,3 +46,7 @@ EVAL_TAG = 0x6D706576
 #: and, with ``availability = "periodic"``, its on/off phase (``[seed, SYSTEM_TAG, 1]``), drawn
 #: once for all K clients, so they depend on neither the round nor the number of ranks.
 SYSTEM_TAG = 0x6D706673
+#: ``client.minibatch_order = "counter"``: the first words after the seed of the counter-based
+#: order's key (:mod:`mpifl.core.counter`), so its values share no key with another stream;
+#: adaptation's order puts its own tag after the round.
+MINIBATCH_TAG = 0x6D70626F
