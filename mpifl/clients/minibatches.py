@@ -144,11 +144,12 @@ def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.
         slot < sz[:, None, None])
     if batch_size == 0:
         pos = slot
-    else:
+    else:  # slot s of epoch e: entry s of the client's epoch-e order (clamped where padding)
         orders = _orders(seed, round, client_ids, sizes, epochs, tag, order, dev)
         epoch = (tt[None, :] // pe[:, None]).clamp(max=epochs - 1)
-        flat = (epoch * n_max)[:, :, None] + slot.clamp(max=n_max - 1)
-        pos = orders.view(m, -1).gather(1, flat.view(m, -1)).view_as(slot)
+        first = torch.as_tensor(np.cumsum(np.repeat(sizes, epochs)) - np.repeat(sizes, epochs),
+                                device=dev).view(m, epochs)
+        pos = orders[first.gather(1, epoch)[:, :, None] + torch.minimum(slot, sz[:, None, None] - 1)]
     starts = torch.as_tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), device=dev)
     rows = torch.where(is_real, pos + starts[:, None, None], starts[:, None, None])
     return Schedule(rows, is_real.to(torch.float32), steps, real)
@@ -156,16 +157,14 @@ def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.
 
 def _orders(seed: int, round: int, client_ids: np.ndarray, sizes: np.ndarray, epochs: int,
             tag: int | None, order: str, device: torch.device) -> Tensor:
-    """(m, E, n_max) int64 on ``device``: row (i, e) starts with client i's epoch-e order."""
-    m, n_max = len(sizes), int(sizes.max())
+    """(E * sizes.sum(),) int64 on ``device``: every client's epoch orders one after another,
+    client by client, epoch by epoch (no padding)."""
     if order == "counter":
         ids = torch.as_tensor(np.asarray(client_ids, dtype=np.int64), device=device)
         ep = torch.arange(epochs, device=device)
-        n = torch.as_tensor(sizes, device=device)[:, None].expand(m, epochs)
+        n = torch.as_tensor(sizes, device=device)[:, None].expand(len(sizes), epochs)
         return counter.orders_torch([*_counter_key(seed, round, tag), ids[:, None], ep[None, :]],
-                                    n, n_max)
-    out = np.zeros((m, epochs, n_max), dtype=np.int64)
-    for i, (cid, n) in enumerate(zip(client_ids, sizes)):
-        for e in range(epochs):
-            out[i, e, :n] = batch_order(seed, round, int(cid), e, int(n), tag, order)
-    return torch.as_tensor(out, device=device)
+                                    n)
+    return torch.as_tensor(np.concatenate([
+        batch_order(seed, round, int(cid), e, int(n), tag, order)
+        for cid, n in zip(client_ids, sizes) for e in range(epochs)]), device=device)

@@ -107,22 +107,24 @@ def order_np(n: int, *key: int) -> np.ndarray:
     return np.argsort(values_np(h1, h2, np.arange(n)), kind="stable").astype(np.int64)
 
 
-def orders_torch(key: Sequence[int | Tensor], sizes: Tensor, width: int) -> Tensor:
-    """Many keyed permutations at once, on the device of ``sizes``.
+def orders_torch(key: Sequence[int | Tensor], sizes: Tensor) -> Tensor:
+    """Many keyed permutations at once, on the device of ``sizes``, with no padding.
 
     Args:
         key: the key's words; tensors broadcast to ``sizes``' shape (e.g. one client id per
-            row).
-        sizes: (...) int64, the n of each permutation.
-        width: the row length, at least ``sizes.max()``.
+            row, one epoch per column).
+        sizes: (...) int64 >= 0, the n of each permutation.
 
     Returns:
-        (..., width) int64: row r's first ``sizes[r]`` entries are :func:`order_np` of its key,
-        the rest are the positions ``sizes[r] .. width - 1`` in order.
+        (sizes.sum(),) int64: the permutations one after another in ``sizes``' row-major
+        order, each :func:`order_np` of its key (positions 0 .. n - 1 of its own).
     """
-    h1, h2 = key_torch(*key, device=sizes.device)
-    j = torch.arange(width, dtype=torch.int64, device=sizes.device)
-    values = values_torch(h1.expand(sizes.shape).unsqueeze(-1),
-                          h2.expand(sizes.shape).unsqueeze(-1), j)
-    values = torch.where(j < sizes.unsqueeze(-1), values, j + (1 << 32))  # padding last
-    return torch.sort(values, dim=-1, stable=True).indices
+    dev = sizes.device
+    h1, h2 = (h.expand(sizes.shape).reshape(-1) for h in key_torch(*key, device=dev))
+    n = sizes.reshape(-1)
+    starts = torch.cumsum(n, 0) - n
+    segment = torch.repeat_interleave(torch.arange(len(n), device=dev), n)
+    j = torch.arange(len(segment), device=dev) - starts[segment]
+    # one sort of (segment, value): segments stay in order, each ranked by its own values
+    ranked = torch.sort((segment << 32) | values_torch(h1[segment], h2[segment], j)).indices
+    return ranked - starts[segment]
