@@ -9,6 +9,9 @@ What is checked, with ``run.deterministic = true`` (the default, mpifl/runtime/d
   generator on the GPU, so there the loop is compared with the written-out loop instead);
 * the same clients trained in reverse order: bit-identical rows (a BatchNorm + Dropout model
   on CUDA once was not, before deterministic kernels);
+* a worker's staging of a round's buffers (pinned, reused, ``non_blocking``) and the sample
+  store kept in (pinned) host memory (``client.samples_on = "host"``) against the store on
+  the device: the same updates, bit for bit;
 * whole runs (``mpifl run ... --set server.device=cuda``): bit-identical on 1, 3 and 5 ranks
   (5: four workers sharing one GPU) and after SIGKILL + resume; a checkpoint written on the
   CPU resumed on the GPU and the reverse (the rounds before the checkpoint exactly, the model
@@ -36,11 +39,17 @@ import torch
 
 from mpifl.clients.interface import TrainOptions
 from mpifl.clients.loop import LoopTrainer, step_seed
-from mpifl.clients.minibatches import client_minibatches
+from mpifl.clients.minibatches import client_minibatches, minibatch_schedule
 from mpifl.clients.trainer import VmapTrainer
 from mpifl.core.layout import ParamLayout
+from mpifl.experiment.assemble import build_parts, make_trainer
+from mpifl.experiment.config import load_config
+from mpifl.experiment.plan import make_plan
 from mpifl.models import build_model, get_loss
 from mpifl.runtime.determinism import Determinism, apply_determinism
+from mpifl.runtime.protocol import TRAIN, Request
+from mpifl.runtime.staging import Staging
+from mpifl.runtime.worker import Worker
 from tests.helpers import kill_tree, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +102,18 @@ def _mpiexec() -> str:
 # --------------------------------------------------------------------------- trainer paths
 
 
+@pytest.mark.parametrize("order", ["pcg64", "counter"])
+def test_the_minibatch_plan_drawn_on_the_device_equals_the_host_plan(order):
+    # the counter order's hash runs on the device (mpifl/core/counter.py): same bits as numpy
+    sizes = np.array([5, 130, 64, 1, 77])
+    ids = np.array([0, 2**31 - 1, 17, 4, 99])
+    on_device = minibatch_schedule(3, 8, ids, sizes, 3, 16, order=order, device=DEVICE)
+    on_host = minibatch_schedule(3, 8, ids, sizes, 3, 16, order=order, device="cpu")
+    assert on_device.rows.device.type == torch.device(DEVICE).type
+    assert torch.equal(on_device.rows.cpu(), on_host.rows)
+    assert torch.equal(on_device.weights.cpu(), on_host.weights)
+
+
 def _data(n, shape, classes, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g)
@@ -109,6 +130,7 @@ VMAP_MODELS = [
     ("mlp", (12,), dict(hidden=(16,)), dict(momentum=0.9, weight_decay=1e-3)),
     ("mlp", (12,), dict(hidden=(16,)), dict(prox_mu=0.5, pretrain_losses=False)),
     ("cnn_mnist", (1, 12, 12), dict(), dict(momentum=0.5)),
+    ("mlp", (12,), dict(hidden=(16,)), dict(momentum=0.9, minibatch_order="counter")),
 ]
 IDS = np.array([3, 1, 7])
 
@@ -324,3 +346,60 @@ def test_a_checkpoint_moves_between_the_cpu_and_the_device(tmp_path, first, then
                                rtol=0)
     if first == then:  # both on the CPU (MPIFL_GPU_TEST_DEVICE=cpu): nothing to round apart
         _assert_same(moved, whole)
+
+
+# --------------------------------------------------------------------------- staging and the store
+
+
+def test_staging_reuses_pinned_buffers_and_returns_complete_arrays():
+    """Several rounds of w in and (m_r, d) updates out: every array equals what was computed
+    (the one synchronisation happened before they were read); on CUDA the buffers are pinned,
+    reused by a smaller block and grown for a larger one."""
+    staging = Staging(DEVICE)
+    assert staging.pinned == (torch.device(DEVICE).type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    pointers = []
+    for rows in (6, 4, 9):
+        w = torch.randn(33, generator=g).numpy()
+        on = staging.to_device(w)
+        assert on.device.type == torch.device(DEVICE).type and np.array_equal(on.cpu(), w)
+        updates = on.expand(rows, -1) * torch.arange(1, rows + 1, device=on.device)[:, None]
+        losses = updates.sum(1).double()
+        stats = torch.empty(rows, 0, device=on.device)
+        u, loss, st = staging.to_host(updates, losses, stats)
+        assert u.shape == (rows, 33) and loss.dtype == np.float64 and st.shape == (rows, 0)
+        np.testing.assert_array_equal(u, updates.cpu().numpy())
+        np.testing.assert_array_equal(loss, losses.cpu().numpy())
+        pointers.append(u.__array_interface__["data"][0])
+    if staging.pinned:
+        assert all(b.is_pinned() for b in staging._buffers.values())
+        assert pointers[1] == pointers[0] != pointers[2]  # reused (4 <= 6 rows), grown (9)
+        assert staging.nbytes >= 9 * 33 * 4
+
+
+@pytest.mark.parametrize("samples_on", ["host", "device"])
+def test_a_store_in_host_memory_trains_what_the_store_on_the_device_does(samples_on):
+    def block(on: str):
+        over = ["data.dataset=synthetic", "data.partition=natural", "data.num_clients=20",
+                "model.hidden=[16]", "client.epochs=2", "client.batch_size=8",
+                f"client.samples_on={on}", f"server.device={DEVICE}"]
+        plan = make_plan(load_config(None, over))
+        assert plan.samples_on == on
+        parts = build_parts(plan)
+        device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu")
+        trainer = make_trainer(plan, parts, device)
+        worker = Worker(1, 1, trainer, parts.fed, device)
+        got = worker.train(Request(TRAIN, 3, 0.1, np.array([1, 6, 12, 19]),
+                                   parts.w0.numpy().copy()))
+        return trainer, got
+
+    trainer, got = block(samples_on)
+    if samples_on == "host":
+        assert trainer.x.device.type == "cpu"
+        assert trainer.x.is_pinned() == (DEVICE == "cuda")
+    else:
+        assert trainer.x.device.type == torch.device(DEVICE).type
+    _, other = block("device" if samples_on == "host" else "host")
+    assert np.abs(got.updates).max() > 0
+    np.testing.assert_array_equal(got.updates, other.updates)
+    np.testing.assert_array_equal(got.losses, other.losses)

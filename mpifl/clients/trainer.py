@@ -248,6 +248,15 @@ class TrainerBase(ABC):
     def _gather(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
         """Samples ``rows`` of the store, moved to the device (only these are moved)."""
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.x.device)
+        if self.device.type == "cuda" and self.x.is_pinned():
+            # a host store (client.samples_on = "host"): gather the rows into pinned memory,
+            # so the copies to the device are DMAs left queued on the stream
+            xs = torch.empty((len(idx), *self.x.shape[1:]), dtype=self.x.dtype, pin_memory=True)
+            ys = torch.empty((len(idx), *self.y.shape[1:]), dtype=self.y.dtype, pin_memory=True)
+            torch.index_select(self.x, 0, idx, out=xs)
+            torch.index_select(self.y, 0, idx.to(self.y.device), out=ys)
+            return (xs.to(self.device, self._x_dtype(self.x), non_blocking=True),
+                    ys.to(self.device, non_blocking=True))
         return (self.x[idx].to(self.device, self._x_dtype(self.x), non_blocking=True),
                 self.y[idx.to(self.y.device)].to(self.device, non_blocking=True))
 

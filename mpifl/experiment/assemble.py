@@ -152,7 +152,7 @@ def make_trainer(plan: Plan, parts: Parts, device: torch.device) -> ClientTraine
     and loss they come from, with ``faults.nan_clients`` injected."""
     cls, options = _trainer_class(plan, parts, trainer_path(plan, parts, device)[0] == "loop")
     options["loss"] = parts.loss
-    x, y = sample_store(parts.fed, device)
+    x, y = sample_store(parts.fed, device, plan.samples_on)
     if "sensitive" in inspect.signature(cls).parameters:  # trainers with a group-fair objective
         options["sensitive"] = torch.from_numpy(parts.fed.sensitive).to(device)
     train_options, own = TrainOptions.split({**options, "device": device})
@@ -175,15 +175,35 @@ def real_batch(fed, n: int = 8) -> tuple[torch.Tensor, np.ndarray]:
     return torch.from_numpy(np.ascontiguousarray(x)), y
 
 
-def sample_store(fed, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trainer's (x, y) on ``device``: the whole pool, or for a lazy population an empty
-    store of its shape, each request's window staged in it
-    (:func:`mpifl.runtime.backends.client_rows`)."""
+def sample_store(fed, device: torch.device, samples_on: str = "device"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's sample store (x (N, *input_shape), y (N, *target_shape), the pool's
+    dtypes): the whole pool, or for a lazy population an empty store of its shape, each
+    request's window staged in it (:func:`mpifl.runtime.backends.client_rows`).
+
+    Args:
+        device: where the trainer computes.
+        samples_on: ``client.samples_on`` as the plan resolved it
+            (:func:`mpifl.experiment.budget.check_gpu`): ``"device"`` (and an unresolved
+            ``"auto"``) puts the store on ``device``; ``"host"`` keeps it in host memory, pinned
+            when ``device`` is CUDA so that each chunk's rows can be copied with
+            ``non_blocking`` (the trainer moves only those, ``TrainerBase._gather``). On a CPU
+            every choice is the same store.
+    """
+    where = torch.device("cpu") if samples_on == "host" else device
     if fed.lazy:
-        return (torch.from_numpy(np.empty((0, *fed.input_shape), dtype=fed.x_dtype)).to(device),
+        return (torch.from_numpy(np.empty((0, *fed.input_shape), dtype=fed.x_dtype)).to(where),
                 torch.from_numpy(np.empty((0, *fed.target_shape),
-                                          dtype=fed.label_dtype)).to(device))
-    return torch.from_numpy(fed.x).to(device), torch.from_numpy(fed.y).to(device)
+                                          dtype=fed.label_dtype)).to(where))
+    x, y = torch.from_numpy(fed.x), torch.from_numpy(fed.y)
+    if where.type != "cpu":
+        return x.to(where), y.to(where)
+    if device.type == "cuda":
+        # Page-locked, so the per-chunk copies can overlap; the pool's arrays become views of
+        # the pinned copy, so host memory holds the samples once, not twice.
+        x, y = x.pin_memory(), y.pin_memory()
+        fed.x, fed.y = x.numpy(), y.numpy()
+    return x, y
 
 
 def plugin_parts(plan: Plan, parts: Parts) -> list[tuple[str, str, object]]:
@@ -204,7 +224,8 @@ def make_adapter(plan: Plan, parts: Parts, device: torch.device,
     a = plan.adapt
     if a is None:
         return None
-    x, y = (trainer.x, trainer.y) if trainer is not None else sample_store(parts.fed, device)
+    x, y = ((trainer.x, trainer.y) if trainer is not None
+            else sample_store(parts.fed, device, plan.samples_on))
     cls = LoopTrainer if trainer_path(plan, parts, device)[0] == "loop" else VmapTrainer
     options = TrainOptions(epochs=a.epochs, batch_size=a.batch_size, momentum=a.momentum,
                            weight_decay=a.weight_decay, seed=plan.seed,

@@ -47,19 +47,46 @@ The total is compared with the memory available on this node: ``MPIFL_MEMORY_LIM
 (MiB) when set, else the smaller of ``MemAvailable`` (``/proc/meminfo``) and what this process's
 cgroup still allows. L is the launcher's ranks-on-this-node (``MPI_LOCALNRANKS``,
 ``OMPI_COMM_WORLD_LOCAL_SIZE``, ``SLURM_STEP_TASKS_PER_NODE``; 1 when none is set). The
-estimate is of what the run holds, to within about a factor of two: GPU memory, the Python
-interpreter and torch's own allocations are not counted.
+estimate is of what the run holds, to within about a factor of two: the Python interpreter and
+torch's own allocations are not counted.
+
+**GPU memory** (:func:`check_gpu`, right after :func:`check_budget` in ``make_plan``; its
+decision is :func:`check_gpu_budget`, a function of the config and the GPU's figures alone),
+when the run trains on CUDA (``server.device = "cuda"``, or ``"auto"`` where torch sees a
+GPU): the R = ceil(L / G) ranks that share one of the node's G GPUs
+(:func:`mpifl.experiment.assemble.device_for`: cuda:(local rank % G)) hold, each, a CUDA
+context (``CONTEXT_BYTES``), and
+
+- **worker** ranks: the resident samples when ``client.samples_on`` puts them on the device
+  (the whole pool, one copy of its inputs and targets; a lazy population's largest window),
+  ``MODEL_COPIES`` d-sized rows, the training working memory (as above, at most
+  ``client.memory_budget_mb``: the trainer chunks to it) and the block's (m_r, d) updates, and
+  the workers' share of a rule's rows;
+- **rank 0** (it aggregates on its device): ``MODEL_COPIES`` rows, the (m, d) updates and the
+  rule's copy, the rule's state and the server optimizer's moments (a sharded server: the
+  shards that can share the GPU, their blocks).
+
+The most loaded GPU holds rank 0 and R - 1 workers, or R workers, whichever is more (one
+process: rank 0 trains too, and holds both). ``client.samples_on = "auto"`` keeps the samples
+on the device when that total fits, else in host memory (pinned); either way a run that does
+not fit is refused before round 1, in one line like the host check's. The figure compared
+with is ``MPIFL_GPU_MEMORY_LIMIT_MB`` (MiB) when set, else the free memory
+(``torch.cuda.mem_get_info``) of this rank's GPU; G is the larger of torch's device count and
+``SLURM_GPUS_ON_NODE`` (a rank bound to one GPU sees one).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import torch
 
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
@@ -68,8 +95,14 @@ from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, get_loss
 from mpifl.models.zoo import model_params, parameter_count
 
+log = logging.getLogger("mpifl")
+
 #: the environment variable that sets this node's memory limit in MiB (tests, shared nodes)
 LIMIT_VAR = "MPIFL_MEMORY_LIMIT_MB"
+#: the environment variable that sets the memory of one GPU in MiB (tests, shared GPUs)
+GPU_LIMIT_VAR = "MPIFL_GPU_MEMORY_LIMIT_MB"
+#: bytes a rank's CUDA context and torch's caching allocator take on its GPU (about 0.5 GB)
+CONTEXT_BYTES = 512 * 2**20
 #: a sample's place in its client's train or test index (int64)
 INDEX_BYTES = 8
 #: per-client bookkeeping while the data are set up: CSR offsets and the partition's and the
@@ -180,6 +213,24 @@ def world_size() -> int | None:
     return _env_int("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
 
+def _env_limit(var: str) -> float | None:
+    """Bytes the environment variable ``var`` sets in MiB, or None when it is not set.
+
+    Raises:
+        ConfigError: it is set to something other than a positive number.
+    """
+    text = os.environ.get(var)
+    if text is None or not text.strip():
+        return None
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = math.nan
+    if not (mb > 0 and math.isfinite(mb)):
+        raise ConfigError(f"{var}={text!r}: expected a positive number of MiB")
+    return mb * 2**20
+
+
 def available_memory() -> tuple[float, str]:
     """(bytes, where that number comes from): ``MPIFL_MEMORY_LIMIT_MB`` (MiB) when set, else the
     smaller of MemAvailable and the cgroup's remaining allowance (inf when neither is readable).
@@ -187,15 +238,9 @@ def available_memory() -> tuple[float, str]:
     Raises:
         ConfigError: ``MPIFL_MEMORY_LIMIT_MB`` is not a positive number.
     """
-    text = os.environ.get(LIMIT_VAR)
-    if text is not None and text.strip():
-        try:
-            mb = float(text)
-        except ValueError:
-            mb = math.nan
-        if not (mb > 0 and math.isfinite(mb)):
-            raise ConfigError(f"{LIMIT_VAR}={text!r}: expected a positive number of MiB")
-        return mb * 2**20, LIMIT_VAR
+    env = _env_limit(LIMIT_VAR)
+    if env is not None:
+        return env, LIMIT_VAR
     found: list[tuple[float, str]] = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -305,6 +350,17 @@ def _rule_rows(cfg: Config, k: int, m: int, world: int
     return out
 
 
+def _round_sizes(cfg: Config, declared: DataShape | None) -> tuple[int, int, str, Any]:
+    """(K the data set can hold, m a round's clients, the key deciding m and its value)."""
+    s, k = cfg.server, cfg.data.num_clients
+    if declared is not None and declared.samples is not None:
+        k = min(k, declared.samples)  # the loader refuses more clients than the pool can split
+    m = k if s.sampling == "all" else min(s.clients_per_round, k)
+    m_key, m_value = (("server.sampling", "all") if s.sampling == "all"
+                      else ("server.clients_per_round", s.clients_per_round))
+    return k, m, m_key, m_value
+
+
 def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None) -> Estimate:
     """The memory a run of ``cfg`` needs on this node (module docstring), from the config alone.
 
@@ -317,14 +373,9 @@ def estimate(cfg: Config, *, ranks: int | None = None, world: int | None = None)
     world = max(nodes_ranks, int(world if world is not None else (world_size() or nodes_ranks)))
     workers_here = nodes_ranks - 1 if world > 1 else 1   # one process: rank 0 trains too
     workers = max(world - 1, 1)
-    k = d_cfg.num_clients
     samples, shape, classes, sample_bytes = _data_shape(cfg)
     declared = _declared(d_cfg.dataset)
-    if declared is not None and declared.samples is not None:
-        k = min(k, declared.samples)  # the loader refuses more clients than the pool can split
-    m = k if s.sampling == "all" else min(s.clients_per_round, k)
-    m_key, m_value = (("server.sampling", "all") if s.sampling == "all"
-                      else ("server.clients_per_round", s.clients_per_round))
+    k, m, m_key, m_value = _round_sizes(cfg, declared)
     every = f"on every rank (x{nodes_ranks} on this node)" if nodes_ranks > 1 else "on every rank"
     needs: list[Need] = []
 
@@ -423,3 +474,231 @@ def check_budget(cfg: Config, *, available: float | None = None, ranks: int | No
     raise ConfigError(f"{big.key} = {big.value}: {big.what} ({size_text(big.nbytes)}) "
                       f"{big.where}; the run would need ~{size_text(est.total)} on this node"
                       f"{where}, which has {size_text(available)} available ({hint})")
+
+
+# ------------------------------------------------------------------------------------ GPU memory
+
+#: where a worker keeps its samples, resolved (``client.samples_on`` less "auto")
+SamplesOn = Literal["device", "host"]
+
+
+@dataclass(frozen=True)
+class GpuEstimate:
+    """What the most loaded GPU of this node holds (module docstring, "GPU memory").
+
+    Attributes:
+        needs: the parts, each held by ``holders`` ranks on that GPU.
+        samples_on: where the workers keep their samples, ``"device"`` or ``"host"``.
+        ranks_per_gpu: R = ceil(L / G), the ranks that share one GPU.
+        available: bytes of the GPU's memory compared with (inf: not compared).
+        source: where ``available`` comes from (``MPIFL_GPU_MEMORY_LIMIT_MB``, the device's
+            free memory, ``"given"``).
+        reason: one line, what ``client.samples_on`` resolved to and why.
+    """
+
+    needs: tuple[Need, ...]
+    samples_on: SamplesOn
+    ranks_per_gpu: int
+    available: float = math.inf
+    source: str = "given"
+    reason: str = ""
+
+    @property
+    def total(self) -> float:
+        """Bytes on the most loaded GPU."""
+        return sum(n.total for n in self.needs)
+
+    def largest(self) -> Need:
+        return max(self.needs, key=lambda n: n.total)
+
+    def part(self, name: str) -> Need | None:
+        """The need whose ``what`` starts with ``name`` (tests), or None."""
+        return next((n for n in self.needs if n.what.startswith(name)), None)
+
+
+def _device_sample_bytes(declared: DataShape) -> float:
+    """Bytes one sample takes in the device store: one copy of its inputs (int64 token ids or
+    float32 features) and its targets (the loader's extra peak copies stay on the host)."""
+    x = math.prod(declared.input_shape) * (8.0 if declared.vocab_size else 4.0)
+    return x + 8.0 * math.prod(declared.target_shape)
+
+
+def gpu_estimate(cfg: Config, *, samples_on: SamplesOn, gpus: int, ranks: int | None = None,
+                 world: int | None = None) -> GpuEstimate:
+    """The memory the most loaded of this node's GPUs holds in a run of ``cfg`` with the
+    samples ``samples_on`` (module docstring), from the config alone.
+
+    Args:
+        samples_on: ``"device"`` (each worker's GPU holds the sample store) or ``"host"``.
+        gpus: G, the GPUs on this node (>= 1).
+        ranks, world: as :func:`estimate`.
+
+    Raises:
+        ValueError: ``samples_on`` is neither "device" nor "host".
+    """
+    if samples_on not in ("device", "host"):
+        raise ValueError(f"samples_on must be 'device' or 'host', got {samples_on!r}")
+    d_cfg, s = cfg.data, cfg.server
+    nodes_ranks = max(1, int(ranks if ranks is not None else ranks_on_node()))
+    world = max(nodes_ranks, int(world if world is not None else (world_size() or nodes_ranks)))
+    per_gpu = -(-nodes_ranks // max(1, int(gpus)))
+    workers = max(world - 1, 1)
+    samples, shape, classes, _ = _data_shape(cfg)
+    declared = _declared(d_cfg.dataset)
+    k, m, m_key, m_value = _round_sizes(cfg, declared)
+    on_worker, on_rank0 = "on each worker's GPU", "on rank 0's GPU"
+    worker: list[Need] = []
+    server: list[Need] = []
+    if samples_on == "device" and samples is not None and declared is not None:
+        if d_cfg.lazy:  # the store is empty; each request's window is staged in it
+            window = max(-(-m // workers) * samples / max(k, 1), cfg.run.eval_window_samples)
+            n, what = window, f"a lazy population's windows of up to {count_text(window)} samples"
+        else:
+            n, what = samples, (f"the {d_cfg.dataset} data set's {count_text(samples)} samples "
+                                f"for {k:,} clients")
+        worker.append(Need("client.samples_on", cfg.client.samples_on, f"{what}, resident",
+                           n * _device_sample_bytes(declared), on_worker))
+    vocab = declared.vocab_size if declared is not None else None
+    built = model_size(cfg, shape, classes, vocab) if shape is not None else None
+    if built is not None:
+        d = built[0]
+        row = 4.0 * d
+        key, value = _model_key(cfg)
+        dtext = f"d = {d:,} ({key} = {value})"
+        model = f"the model has d = {d:,} parameters ({MODEL_COPIES} copies)"
+        worker.append(Need(key, value, model, MODEL_COPIES * row, on_worker))
+        server.append(Need(key, value, model, MODEL_COPIES * row, on_rank0))
+        per_worker = -(-m // workers)
+        one = TRAIN_COPIES * row
+        budget = cfg.client.memory_budget_mb * 2**20
+        train = max(one, min(per_worker * one, budget))
+        capped = per_worker * one > budget and train == budget
+        worker.append(Need("client.memory_budget_mb" if capped else m_key,
+                           cfg.client.memory_budget_mb if capped else m_value,
+                           f"training {per_worker:,} client(s) of {dtext}, chunked to "
+                           f"client.memory_budget_mb", train, on_worker))
+        worker.append(Need(m_key, m_value, f"a worker's block of {per_worker:,} updates, {dtext}",
+                           per_worker * row, on_worker))
+        share = min(s.shards, per_gpu) / s.shards  # the shards that may share this GPU
+        server.append(Need(m_key, m_value, f"the round's (m, d) update matrix and the rule's "
+                           f"copy, m = {m:,}, {dtext}", 2 * m * row * share, on_rank0))
+        for rkey, rvalue, what, rows, place in _rule_rows(cfg, k, m, world):
+            scale = share if place == "server" else 1.0
+            (worker if place == "workers" else server).append(
+                Need(rkey, rvalue, f"{what}, {dtext}", rows * row * scale,
+                     on_worker if place == "workers" else on_rank0))
+    if world == 1:  # one process: rank 0 trains too
+        worker_holders, rank0_holders = 1.0, 1.0
+    else:  # GPU 0 holds rank 0 and R - 1 workers; another GPU up to R workers
+        rank0_on = sum(n.nbytes for n in server) >= sum(n.nbytes for n in worker)
+        worker_holders = float(per_gpu - 1 + (not rank0_on))
+        rank0_holders = float(rank0_on)
+    context = Need("server.device", s.device, "a CUDA context and torch's allocator",
+                   CONTEXT_BYTES, "on each rank's GPU", float(per_gpu if world > 1 else 1))
+    needs = [context,  # first: the refusal names another part unless these alone do not fit
+             *(Need(n.key, n.value, n.what, n.nbytes, n.where, worker_holders) for n in worker),
+             *(Need(n.key, n.value, n.what, n.nbytes, n.where, rank0_holders) for n in server)]
+    return GpuEstimate(tuple(n for n in needs if n.holders > 0), samples_on, per_gpu)
+
+
+def check_gpu_budget(cfg: Config, *, available: float, gpus: int, ranks: int | None = None,
+                     world: int | None = None, source: str = "given") -> GpuEstimate:
+    """Decide where the samples live and refuse a run that would not fit in one GPU's memory,
+    from the config and the GPU's figures alone (no CUDA call: :func:`check_gpu` measures).
+
+    ``client.samples_on = "auto"`` resolves to ``"device"`` when that estimate fits, else to
+    ``"host"``; ``"device"`` and ``"host"`` are taken as they are.
+
+    Args:
+        available: bytes of one GPU's memory the run may use.
+        gpus: G, the GPUs on this node (>= 1).
+        ranks, world: as :func:`estimate`.
+        source: where ``available`` comes from (named in the refusal and the reason).
+
+    Returns:
+        The estimate that fits, its ``samples_on`` resolved and its ``reason`` one line.
+
+    Raises:
+        ConfigError: one line naming the key of the largest part on the GPU, its value, that
+            part's memory, the GPU total, the ranks sharing the GPU and its memory.
+    """
+    want = cfg.client.samples_on
+    tries: list[SamplesOn] = ["device", "host"] if want == "auto" else [want]
+    found = [gpu_estimate(cfg, samples_on=on, gpus=gpus, ranks=ranks, world=world)
+             for on in tries]
+    fits = [e for e in found if e.total <= available]
+    per_gpu = found[0].ranks_per_gpu
+    sharing = f"{per_gpu} ranks share it" if per_gpu > 1 else "one rank"
+    if not fits:
+        est = found[-1]
+        # name what the config sizes, unless the ranks' contexts alone do not fit
+        context = est.needs[0]
+        rest = list(est.needs[1:])
+        big = (context if context.total > available or not rest
+               else max(rest, key=lambda n: n.total))
+        hint = (GPU_LIMIT_VAR if source == GPU_LIMIT_VAR
+                else f"{source}; {GPU_LIMIT_VAR} overrides it")
+        host = ("" if big.key != "client.samples_on" else
+                "; client.samples_on = host keeps the samples in host memory")
+        raise ConfigError(f"{big.key} = {big.value}: {big.what} ({size_text(big.nbytes)}) "
+                          f"{big.where}; the run would need ~{size_text(est.total)} on one GPU "
+                          f"({sharing}), which has {size_text(available)} ({hint}){host}")
+    est = fits[0]
+    figures = (f"~{size_text(est.total)} on one GPU ({sharing}) of {size_text(available)} "
+               f"({source})")
+    if want != "auto":
+        reason = f"client.samples_on = {want}: {figures}"
+    elif est.samples_on == "device":
+        reason = f"client.samples_on = auto: the samples on the GPU, {figures}"
+    else:
+        reason = (f"client.samples_on = auto: the samples in host memory (pinned), since on "
+                  f"the GPU the run would need ~{size_text(found[0].total)} on one GPU "
+                  f"({sharing}) of {size_text(available)} ({source})")
+    return GpuEstimate(est.needs, est.samples_on, per_gpu, available, source, reason)
+
+
+def uses_cuda(cfg: Config) -> bool:
+    """The run trains on CUDA: ``server.device`` is "cuda" or "auto" and torch sees a GPU
+    (``"cuda"`` without one is :func:`mpifl.experiment.assemble.device_for`'s error)."""
+    return cfg.server.device != "cpu" and torch.cuda.is_available()
+
+
+def gpus_on_node() -> int:
+    """G, this node's GPUs: the larger of torch's device count and ``SLURM_GPUS_ON_NODE`` (a
+    rank bound to one GPU sees one); at least 1."""
+    return max(1, torch.cuda.device_count(), _env_int("SLURM_GPUS_ON_NODE") or 0)
+
+
+def gpu_memory(index: int) -> tuple[float, str]:
+    """(bytes, where that number comes from) of GPU ``index``: ``MPIFL_GPU_MEMORY_LIMIT_MB``
+    (MiB) when set, else its free memory (``torch.cuda.mem_get_info``).
+
+    Raises:
+        ConfigError: ``MPIFL_GPU_MEMORY_LIMIT_MB`` is not a positive number.
+    """
+    limit = _env_limit(GPU_LIMIT_VAR)
+    if limit is not None:
+        return limit, GPU_LIMIT_VAR
+    free, _ = torch.cuda.mem_get_info(index)
+    return float(free), f"cuda:{index}'s free memory"
+
+
+def check_gpu(cfg: Config) -> str:
+    """``client.samples_on`` for the plan: on a CUDA run, resolved and checked against this
+    rank's GPU (:func:`check_gpu_budget`; the "auto" decision logged); elsewhere the config's
+    value (every placement is the same on a CPU).
+
+    Raises:
+        ConfigError: the run would not fit in the GPU's memory (:func:`check_gpu_budget`).
+    """
+    if not uses_cuda(cfg):
+        return cfg.client.samples_on
+    from mpifl.runtime.comm import launched_rank, local_rank
+
+    rank = launched_rank()
+    index = local_rank(rank) % torch.cuda.device_count()  # this rank's GPU (device_for's)
+    available, source = gpu_memory(index)
+    est = check_gpu_budget(cfg, available=available, gpus=gpus_on_node(), source=source)
+    level = logging.INFO if cfg.client.samples_on == "auto" and rank == 0 else logging.DEBUG
+    log.log(level, "%s", est.reason)
+    return est.samples_on

@@ -18,7 +18,7 @@ from mpifl.aggregators.needs import Needs
 from mpifl.aggregators.server_opt import ServerOptimizerParams
 from mpifl.clients import TRAINERS
 from mpifl.clients.system import SystemParams
-from mpifl.experiment.budget import check_budget
+from mpifl.experiment.budget import check_budget, check_gpu
 from mpifl.experiment.config import Config, DataConfig, ModelConfig
 from mpifl.runtime.plan import RoundPlan
 from mpifl.runtime.schedule import DEFAULT_SHARE, default_every
@@ -118,9 +118,11 @@ def make_plan(cfg: Config) -> Plan:
 
     Raises:
         ConfigError: the run would not fit in this node's memory
-            (:func:`mpifl.experiment.budget.check_budget`), before any data or model is built.
+            (:func:`mpifl.experiment.budget.check_budget`) or in its GPU's
+            (:func:`mpifl.experiment.budget.check_gpu`), before any data or model is built.
     """
     check_budget(cfg)
+    samples_on = check_gpu(cfg)  # on a CUDA run: checked, "auto" resolved
     run, client, server = cfg.run, cfg.client, cfg.server
     rule = aggregators.rule(server.algorithm)
     text = cfg.to_json()
@@ -131,7 +133,7 @@ def make_plan(cfg: Config) -> Plan:
         trainer=_trainer_plan(cfg, rule),
         optimizer=ServerOptimizerParams(server.optimizer, server.lr, server.momentum,
                                         server.betas[0], server.betas[1], server.tau),
-        device=server.device, samples_on=client.samples_on, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
+        device=server.device, samples_on=samples_on, shards=server.shards, peer_timeout_s=run.peer_timeout_s,
         setup_timeout_s=run.setup_timeout_s, threads=run.threads,
         adapt=(AdaptPlan(run.adapt_epochs, client.batch_size, client.momentum,
                          client.weight_decay, client.memory_budget_mb)

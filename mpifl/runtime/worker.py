@@ -7,6 +7,11 @@ population (:mod:`mpifl.data.lazy`) it draws only the clients of each request, a
 share of a full evaluation in windows (:func:`mpifl.runtime.backends.stream_blocks`), telling
 rank 0 how far it is between windows and stopping at the next one when rank 0 asks
 (:class:`mpifl.runtime.protocol.EvalReport`).
+
+The parameters come in and a TRAIN's (m_r, d) updates, losses and statistics go out through
+:class:`mpifl.runtime.staging.Staging`: on a GPU, reused pinned host buffers and
+``non_blocking`` copies with one synchronisation before MPI reads them; on a CPU, numpy views
+of the tensors, no copy.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from mpifl.runtime.backends import (client_rows, evaluate_clients, group_setup, 
 from mpifl.runtime.comm import rank_counts, release_free_memory, split_by_samples
 from mpifl.runtime.protocol import (TRAIN, EvalReport, Evaluated, MPITransport, Request,
                                     TrainBlock)
+from mpifl.runtime.staging import Staging
 
 if TYPE_CHECKING:
     from mpifl.runtime.sharding import ShardServer
@@ -70,6 +76,7 @@ class Worker:
         bounds = split_by_samples(fed.num_test, workers)
         self.eval_ids = np.arange(bounds[self.block], bounds[self.block + 1], dtype=np.int64)
         self.groups = group_setup(fed, device)
+        self.staging = Staging(device)
 
     def split(self, client_ids: np.ndarray, sizes: np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
@@ -92,11 +99,17 @@ class Worker:
         return len(self.mine(client_ids)) if command == TRAIN else len(self.tested(client_ids))
 
     def _w(self, req: Request) -> torch.Tensor:
-        return torch.from_numpy(req.w).to(self.device)
+        """The request's (d,) float32 parameters on the device."""
+        return self.staging.to_device(req.w, "w")
 
     def train(self, req: Request) -> TrainBlock:
         """This rank's block of the round's clients trained (nothing of the round is kept:
-        the next round's updates never sit beside this round's)."""
+        the next round's updates never sit beside this round's).
+
+        On a GPU the block's arrays are views of :attr:`staging`'s reused buffers, valid
+        until the next TRAIN: :meth:`mpifl.runtime.protocol.Train.serve` gathers them before
+        the worker serves another request.
+        """
         ids, bounds = self.split(req.client_ids)
         t0 = time.perf_counter()
         cols = self.trainer.columns
@@ -104,13 +117,12 @@ class Worker:
             return TrainBlock(np.empty((0, len(req.w)), np.float32), np.empty(0, np.float32),
                               np.empty((0, cols.stats_width), np.float32),
                               time.perf_counter() - t0, rank_counts(bounds))
-        state = None if req.state is None else torch.from_numpy(req.state).to(self.device)
+        state = None if req.state is None else self.staging.to_device(req.state, "state")
         with client_rows(self.fed, ids, self.trainer) as (idx, _):
             updates, losses, stats = self.trainer.run_round(self._w(req), req.round, req.lr,
                                                             ids, idx, req.inputs, state)
-        return TrainBlock(updates.cpu().numpy(), losses.cpu().numpy(),
-                          stats_rows(cols, stats, len(ids)).cpu().numpy(),
-                          time.perf_counter() - t0, rank_counts(bounds))
+        u, loss, rows = self.staging.to_host(updates, losses, stats_rows(cols, stats, len(ids)))
+        return TrainBlock(u, loss, rows, time.perf_counter() - t0, rank_counts(bounds))
 
     def trained(self, req: Request, columns: np.ndarray | None) -> None:
         release_free_memory()  # the replied updates' pages too (client_rows freed the window's)
