@@ -88,6 +88,11 @@ class LoopTrainer(TrainerBase):
                                         report_accuracy=options.report_accuracy)
         self._local = torch.as_tensor(self.local_index, device=self.device)
         self.net = copy.deepcopy(model).to(self.device).train()
+        if self.device.type == "cpu" and _plain_cnn(self.net):
+            # oneDNN's channels-last kernels: max-pooling vectorised over channels, faster
+            # convolutions (docs/BENCHMARKS.md, "Peer benchmark W2"); w goes in and out in
+            # logical order, whatever the strides
+            self.net = self.net.to(memory_format=torch.channels_last)
         self.model = copy.deepcopy(model).eval()  # evaluation: running statistics, no dropout
         self._state = [t for _, t in model_state(self.net)]  # the tensors w is loaded into
         self._params = list(self.net.parameters())
@@ -258,3 +263,19 @@ class LoopTrainer(TrainerBase):
                 a, l = self.evaluate(W[i], [sample_idx[i]])
                 acc[i], loss[i] = a[0], l[0]
         return acc, loss
+
+
+#: the layers of a plain CNN, which train in channels-last memory format on a CPU (others are
+#: left in the default format: BatchNorm in channels-last crashed torch 2.13's CPU backward
+#: in examples/models' ResNet)
+_CHANNELS_LAST_LAYERS = (nn.Conv2d, nn.MaxPool2d, nn.AvgPool2d, nn.ReLU, nn.Flatten, nn.Linear,
+                         nn.Dropout)
+
+
+def _plain_cnn(model: nn.Module) -> bool:
+    """True for a model with a convolution whose every layer is one of
+    :data:`_CHANNELS_LAST_LAYERS` (the zoo's ``cnn_mnist`` and ``cnn_cifar``)."""
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    return (any(isinstance(m, nn.Conv2d) for m in leaves)
+            and all(isinstance(m, _CHANNELS_LAST_LAYERS) for m in leaves))
+
