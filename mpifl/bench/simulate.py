@@ -58,13 +58,13 @@ def sequential_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torc
                      round: int, lr: float, client_ids: Sequence[int],
                      sample_idx: Sequence[np.ndarray], epochs: int, batch_size: int,
                      momentum: float = 0.0, weight_decay: float = 0.0,
-                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                     seed: int = 0, order: str = "pcg64") -> tuple[torch.Tensor, torch.Tensor]:
     """Local SGD one client at a time (the baseline): ``torch.optim.SGD`` on ``model``.
 
     Same contract as the updates and losses of :meth:`mpifl.clients.VmapTrainer.run_round`:
     client ``client_ids[i]`` trains for ``epochs`` epochs of minibatches of ``batch_size`` (0: full
-    batch) in the order of :func:`~mpifl.clients.minibatches.client_minibatches`, starting from
-    w; ``model`` is overwritten (its parameters are set from w for every client).
+    batch) in the order of :func:`~mpifl.clients.minibatches.client_minibatches` (drawn by
+    ``order``, ``client.minibatch_order``), starting from w; ``model`` is overwritten (its parameters are set from w for every client).
 
     Returns:
         updates (m, d) float32 ``w - w_k`` and losses (m,) float32, each client's mean
@@ -78,7 +78,8 @@ def sequential_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, w: torc
             _load(params, w)              # copies (vector_to_parameters would alias w)
             losses.append(F.cross_entropy(model(x[idx]), y[idx]))
         opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-        for pos in client_minibatches(seed, round, int(cid), len(idx), epochs, batch_size):
+        for pos in client_minibatches(seed, round, int(cid), len(idx), epochs, batch_size,
+                                      order=order):
             batch = idx[torch.as_tensor(pos, device=x.device)]
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x[batch]), y[batch]).backward()
@@ -195,11 +196,12 @@ def _simulate(config, overrides, clients_per_round, batch_size, epochs, rounds, 
     y = torch.from_numpy(fed.y).to(dev)
     trainer = VmapTrainer(parts.model, layout, x, y, TrainOptions(
         epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
-        weight_decay=c.weight_decay, seed=seed, memory_budget_mb=c.memory_budget_mb, device=dev))
+        weight_decay=c.weight_decay, seed=seed, memory_budget_mb=c.memory_budget_mb, device=dev,
+        minibatch_order=c.minibatch_order))
     net = _clone_module(parts.model).to(dev)
     flops = model_flops(net, fed.input_shape)
     seq_kw = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
-                  weight_decay=c.weight_decay, seed=seed)
+                  weight_decay=c.weight_decay, seed=seed, order=c.minibatch_order)
     machine = machine_info(dev)
     gemm = gemm_flops(dev)
 
