@@ -92,7 +92,8 @@ class LoopTrainer(TrainerBase):
             # oneDNN's channels-last kernels: max-pooling vectorised over channels, faster
             # convolutions (docs/BENCHMARKS.md, "Peer benchmark W2"); w goes in and out in
             # logical order, whatever the strides
-            self.net = self.net.to(memory_format=torch.channels_last)
+            self.net = self.net.to(  # type: ignore[call-overload]  # stubs omit memory_format
+                memory_format=torch.channels_last)
         self.model = copy.deepcopy(model).eval()  # evaluation: running statistics, no dropout
         self._state = [t for _, t in model_state(self.net)]  # the tensors w is loaded into
         self._params = list(self.net.parameters())
