@@ -33,6 +33,15 @@ def test_torch_mix_and_keys_equal_the_numpy_oracle_bit_for_bit():
     assert np.array_equal(t2.numpy(), h2.astype(np.int64))
 
 
+def test_the_cpu_values_and_the_device_arithmetic_equal_the_numpy_oracle():
+    h1, h2 = counter.key_np(4, np.arange(30, dtype=np.uint64)[:, None])
+    j = np.arange(2**32 - 500, 2**32 + 500, dtype=np.uint64)[None, :] % np.uint64(2**32)
+    want = counter.values_np(h1, h2, j).astype(np.int64)
+    args = [torch.from_numpy(a.astype(np.int64)) for a in (h1, h2, j)]
+    assert np.array_equal(counter.values_torch(*args).numpy(), want)  # numpy's uint32 path
+    assert np.array_equal(counter.values_int64(*args).numpy(), want)  # what a GPU runs
+
+
 def test_mix_is_a_bijection_and_the_values_of_a_key_are_distinct():
     # lowbias32 is a bijection of 32-bit words: no two of 2^20 inputs collide
     x = np.arange(2**20, dtype=np.uint64) * np.uint64(4093)

@@ -129,17 +129,22 @@ class TrainerBase(ABC):
         return Columns(stats=(("train_accuracy", 1),) if options.get("report_accuracy") else ())
 
     @contextmanager
-    def samples(self, x: np.ndarray, y: np.ndarray) -> Iterator[None]:
+    def samples(self, x: np.ndarray | Tensor, y: np.ndarray | Tensor) -> Iterator[None]:
         """Train and evaluate on the sample store ``x``, ``y`` inside the block, then on the
         trainer's own again: a lazy population's window of a round's clients
         (:mod:`mpifl.data.lazy`), whose rows the block's ``sample_idx`` index.
 
         Args:
             x: (n, *input_shape) float32 samples. y: (n,) labels (or targets), as the store's.
+                numpy arrays, or torch tensors (a window drawn on a device), moved to the
+                store's device and dtype only where they differ (no copy when they match).
         """
+        def store(a: np.ndarray | Tensor, like: Tensor) -> Tensor:
+            t = a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
+            return t.to(like.device, like.dtype)
+
         own = self.x, self.y
-        self.x = torch.from_numpy(np.ascontiguousarray(x)).to(own[0].device, own[0].dtype)
-        self.y = torch.from_numpy(np.ascontiguousarray(y)).to(own[1].device, own[1].dtype)
+        self.x, self.y = store(x, own[0]), store(y, own[1])
         try:
             yield
         finally:

@@ -12,6 +12,7 @@ Synthetic(alpha, beta)     ``[seed, SYNTHETIC_TAG, k]``                data.synt
 minibatch order            ``[seed, round, k, epoch]`` (no tag)        clients.minibatches
 adapted-evaluation order   ``[seed, round, k, epoch, ADAPT_TAG]``      clients.minibatches
 counter minibatch order    ``(seed, MINIBATCH_TAG, round, k, epoch)``  clients.minibatches
+Synthetic, counter         ``(seed, SYNTHETIC_COUNTER_TAG, k, s)``     data.synthetic
 client dropout             ``[seed, round, k, DROPOUT_TAG]``           clients.faults
 FedMeta's meta set         ``[seed, META_TAG]``                        clients.meta
 client sampling            ``[seed, round, SAMPLING_TAG]``             runtime.server
@@ -50,3 +51,7 @@ SYSTEM_TAG = 0x6D706673
 #: order's key (:mod:`mpifl.core.counter`), so its values share no key with another stream;
 #: adaptation's order puts its own tag after the round.
 MINIBATCH_TAG = 0x6D70626F
+#: ``[data.params] generator = "counter"`` of Synthetic: the counter-based key of client k's
+#: draws, ``(seed, SYNTHETIC_COUNTER_TAG, k, stream)`` with stream 0 its n_k, 1 its model and
+#: feature means, 2 its samples, 3 its train/test split (:mod:`mpifl.data.synthetic`).
+SYNTHETIC_COUNTER_TAG = 0x6D706373

@@ -20,6 +20,7 @@ from functools import partial
 from typing import Annotated, ClassVar, Literal
 
 import numpy as np
+import torch
 from pydantic import Field
 
 from mpifl.core.errors import DataError
@@ -33,8 +34,9 @@ from mpifl.data.registry import (CLIENTS, LABELS, RAW, SENSITIVE, ClientSource, 
                                  register_partition)
 from mpifl.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from mpifl.data.synthetic import NUM_FEATURES as SYNTHETIC_FEATURES
-from mpifl.data.synthetic import (client_sizes, expected_samples_per_client, fill_client,
-                                  generate_synthetic)
+from mpifl.data.synthetic import (client_sizes, counter_orders, counter_sizes, counter_window,
+                                  expected_samples_per_client, fill_client, fill_counter,
+                                  generate_counter, generate_synthetic)
 from mpifl.data.tabular import ROW_COUNTS, TABULAR, feature_width, load_tabular
 
 __all__ = ["DATASETS", "ONE_CLASS_DEFAULT", "ONE_CLASS_FRACTIONS", "PARTITIONS"]
@@ -54,12 +56,39 @@ class SyntheticParams(Params):
     alpha: float = Field(1.0, ge=0.0)
     # data heterogeneity: B_k ~ N(0, beta); 0 = every client's features have mean-0 centres
     beta: float = Field(1.0, ge=0.0)
+    # the random numbers behind the same law: "pcg64" (numpy's generator per client, one client
+    # at a time on the CPU) or "counter" (a counter-based hash keyed by client, stream and
+    # index: a lazy run draws a round's clients at once with torch on the worker's device, and
+    # the K sizes at start-up in one vectorised pass; other data than pcg64's, its own
+    # train/test split). Eager and lazy data are the same bits on a CPU; a window drawn on a
+    # GPU equals them within float rounding (mpifl.data.synthetic)
+    generator: Literal["pcg64", "counter"] = "pcg64"
+
+
+def _counter_orders(sizes: np.ndarray, *, seed: int) -> np.ndarray:
+    """The counter generator's split orders of clients 0..K-1 (sizes (K,)), on the CPU."""
+    return counter_orders(np.arange(len(sizes), dtype=np.int64), sizes, seed=seed).numpy()
 
 
 def synthetic_clients(*, seed: int, data_root: str | None = None, num_clients: int,
-                      alpha: float, beta: float) -> ClientSource:
+                      alpha: float, beta: float, generator: str = "pcg64") -> ClientSource:
     """Synthetic's K clients drawn one at a time (:func:`mpifl.data.lazy.load_population`):
-    the (K,) sizes now (O(K)), each client's samples when asked."""
+    the (K,) sizes now (O(K)), each client's samples when asked; the counter generator also
+    draws a whole window at once on a device (``fill_many``) with its own split order."""
+    if generator == "counter":
+        sizes = counter_sizes(num_clients, seed)
+
+        def fill_many(ids: np.ndarray, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+            return counter_window(ids, sizes[ids], seed=seed, alpha=alpha, beta=beta,
+                                  device=device)
+
+        def split_orders(ids: np.ndarray, device: torch.device) -> torch.Tensor:
+            return counter_orders(ids, sizes[ids], seed=seed, device=device)
+
+        return ClientSource(sizes, SYNTHETIC_CLASSES, (SYNTHETIC_FEATURES,),
+                            partial(fill_counter, seed=seed, alpha=alpha, beta=beta),
+                            fill_many=fill_many, split_orders=split_orders)
     return ClientSource(client_sizes(num_clients, seed), SYNTHETIC_CLASSES,
                         (SYNTHETIC_FEATURES,),
                         partial(fill_client, seed=seed, alpha=alpha, beta=beta))
@@ -71,8 +100,12 @@ def synthetic_clients(*, seed: int, data_root: str | None = None, num_clients: i
                                   samples_per_client=expected_samples_per_client(),
                                   key="data.num_clients"))
 def synthetic(*, seed: int, data_root: str | None = None, num_clients: int, alpha: float,
-              beta: float) -> DataPool:
+              beta: float, generator: str = "pcg64") -> DataPool:
     """K clients' samples, x (N, 60) float32, grouped by client (``client_sizes``)."""
+    if generator == "counter":
+        x, y, sizes = generate_counter(num_clients, seed, alpha, beta)
+        return DataPool(x, y, SYNTHETIC_CLASSES, client_sizes=sizes,
+                        split_orders=partial(_counter_orders, seed=seed))
     x, y, sizes = generate_synthetic(num_clients, seed, alpha, beta)
     return DataPool(x, y, SYNTHETIC_CLASSES, client_sizes=sizes)
 

@@ -145,7 +145,8 @@ def _split_counts(n: int, fractions: Sequence[float]) -> tuple[int, int]:
     return n_train, n_test
 
 
-def split_clients(parts: Sequence[np.ndarray], seed: int, fractions: Sequence[float]
+def split_clients(parts: Sequence[np.ndarray], seed: int, fractions: Sequence[float],
+                  orders: Callable[[np.ndarray], np.ndarray] | None = None
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Shuffle each client's samples with ``default_rng([seed, k, SPLIT_TAG])`` and cut them.
 
@@ -153,12 +154,19 @@ def split_clients(parts: Sequence[np.ndarray], seed: int, fractions: Sequence[fl
         parts: K index arrays (a partition).
         fractions: ``(train_fraction,)`` (the rest is test) or ``(train, test)`` fractions
             (the rest is set aside as validation and not returned).
+        orders: a data set's own keyed split order instead (the pool's ``split_orders``,
+            :class:`mpifl.data.registry.DataPool`): ``orders(sizes)`` of the (K,) part sizes
+            gives each part's permutation of range(n_k), one after another.
     Returns:
         train_ptr (K+1,), train_idx, test_ptr (K+1,), test_idx, all int64.
     """
+    if orders is not None:
+        sizes = np.array([len(p) for p in parts], dtype=np.int64)
+        flat, starts = orders(sizes), np.concatenate([[0], np.cumsum(sizes)])
     train, test = [], []
     for k, idx in enumerate(parts):
-        idx = np.random.default_rng([seed, k, SPLIT_TAG]).permutation(idx)
+        idx = (np.random.default_rng([seed, k, SPLIT_TAG]).permutation(idx) if orders is None
+               else np.asarray(idx)[flat[starts[k]:starts[k + 1]]])
         n_train, n_test = _split_counts(len(idx), fractions)
         train.append(idx[:n_train])
         test.append(idx[n_train:n_train + n_test])
@@ -288,7 +296,8 @@ def _federate(dataset: str, partition: str, pool: DataPool, split: Partitioned, 
     the training pool's statistics."""
     _check_sizes(split.parts, partition)
     fractions = split.fractions or (train_fraction,)
-    train_ptr, train_idx, test_ptr, test_idx = split_clients(split.parts, seed, fractions)
+    train_ptr, train_idx, test_ptr, test_idx = split_clients(split.parts, seed, fractions,
+                                                             pool.split_orders)
     x = pool.x
     if pool.standardise is not None:
         x = standardise_numeric(x, pool.standardise, train_idx)

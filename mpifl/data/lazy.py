@@ -17,6 +17,15 @@ What is lazy, what is not:
   samples, as :func:`mpifl.data.federated.split_clients` does). A bounded LRU cache of built
   clients (``cache_size``, default :data:`DEFAULT_CACHE_SIZE`) spares rebuilding clients used
   twice in a round (training, then evaluation); a window's own arrays are the caller's.
+- **Whole windows at once** for a source that draws them (``ClientSource.fill_many``: Synthetic's
+  counter generator, ``[data.params] generator = "counter"``): :meth:`LazyPopulation.clients`
+  draws the window's clients together, on a given torch device (a worker's GPU), x and y then
+  torch tensors on it, and splits them by the source's keyed order (``split_orders``, also the
+  eager data's); the CSR indices stay numpy. Such a window bypasses the cache (a redraw costs
+  what it would save, and device tensors would hold the device's memory); only
+  :meth:`LazyPopulation.label_counts` builds and caches clients one by one. On the CPU the
+  window equals the eager data bit for bit; on a GPU within float rounding (the source says
+  how, :func:`mpifl.data.synthetic.counter_window`).
 - **Not available lazily**: the full (K, C) ``label_counts()`` (it would draw every client's
   samples: K x ~240 draws); :meth:`LazyPopulation.label_counts` gives it for chosen clients
   only and returns None without them. ``sensitive`` is None (synthetic has no sensitive
@@ -38,6 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from mpifl.core.blame import blame
 from mpifl.core.errors import DataError
@@ -61,8 +72,10 @@ class Window:
     Attributes:
         ids: (m,) int64 population client ids, in the order asked (repeats allowed).
         x: (n, *input_shape) float32 (or int64 token ids), the clients' samples, client j's at rows
-            ``ptr[j]:ptr[j+1]`` in the order the data set draws them.
-        y: (n,) int64 labels in 0..num_classes-1, or (n, T) int64 sequence targets.
+            ``ptr[j]:ptr[j+1]`` in the order the data set draws them; a numpy array, or a torch
+            tensor on the device a window was asked on (:meth:`LazyPopulation.clients`).
+        y: (n,) int64 labels in 0..num_classes-1, or (n, T) int64 sequence targets (numpy or
+            torch, as x).
         ptr: (m+1,) int64 offsets of each client's rows in x.
         train_ptr, train_idx: (m+1,) int64 CSR offsets and (sum of train sizes,) int64 row
             indices into x: client j's train samples, in the eager data's order.
@@ -70,8 +83,8 @@ class Window:
     """
 
     ids: np.ndarray
-    x: np.ndarray
-    y: np.ndarray
+    x: np.ndarray | Tensor
+    y: np.ndarray | Tensor
     ptr: np.ndarray
     train_ptr: np.ndarray
     train_idx: np.ndarray
@@ -89,8 +102,8 @@ class Window:
     @property
     def nbytes(self) -> int:
         """Bytes of the window's arrays."""
-        return sum(a.nbytes for a in (self.ids, self.x, self.y, self.ptr, self.train_ptr,
-                                      self.train_idx, self.test_ptr, self.test_idx))
+        return sum(int(a.nbytes) for a in (self.ids, self.x, self.y, self.ptr, self.train_ptr,
+                                           self.train_idx, self.test_ptr, self.test_idx))
 
 
 @dataclass(frozen=True)
@@ -146,6 +159,7 @@ class LazyPopulation:
         self.sizes = _checked_sizes(name, source.sizes)
         self.num_train, self.num_test = _split_sizes(self.sizes, tuple(fractions))
         self._fill = source.fill
+        self._fill_many, self._split_orders = source.fill_many, source.split_orders
         self._cache: OrderedDict[int, _Client] = OrderedDict()
 
     @property
@@ -160,18 +174,32 @@ class LazyPopulation:
         return held + sum(c.nbytes for c in self._cache.values())
 
     @property
+    def device_windows(self) -> bool:
+        """Whether :meth:`clients` draws a window at once on a device (the source's
+        ``fill_many``), so a caller should say where (``device=``)."""
+        return self._fill_many is not None
+
+    @property
     def cached(self) -> int:
         """How many built clients the cache holds now (<= cache_size)."""
         return len(self._cache)
 
-    def clients(self, ids: Sequence[int] | np.ndarray) -> Window:
+    def clients(self, ids: Sequence[int] | np.ndarray,
+                device: torch.device | str | None = None) -> Window:
         """The :class:`Window` of clients ``ids`` (any order, repeats allowed), built from the
         cache or drawn; its arrays are new (writing to them changes no cached client).
+
+        Args:
+            device: for a source that draws whole windows (:attr:`device_windows`), the torch
+                device to draw on: x and y are then tensors there; None: numpy arrays (drawn
+                on the CPU, at once too). Ignored by other sources (numpy arrays).
 
         Raises:
             DataError: ids that are not integers in 0..K-1.
         """
         ids = self._ids(ids)
+        if self._fill_many is not None:
+            return self._drawn(ids, device)
         built = [self._client(int(k)) for k in ids]
         ptr = _offsets([len(c.y) for c in built])
         x = np.empty((int(ptr[-1]), *self.input_shape), dtype=self.x_dtype)
@@ -181,6 +209,26 @@ class LazyPopulation:
         train_ptr, train_idx = _shifted([c.train for c in built], ptr)
         test_ptr, test_idx = _shifted([c.test for c in built], ptr)
         return Window(ids, x, y, ptr, train_ptr, train_idx, test_ptr, test_idx)
+
+    def _drawn(self, ids: np.ndarray, device: torch.device | str | None) -> Window:
+        """The window of ``ids`` drawn at once by the source's ``fill_many`` and split by its
+        ``split_orders`` (the eager split's order), on ``device`` (None: the CPU, numpy)."""
+        assert self._fill_many is not None and self._split_orders is not None
+        dev = torch.device("cpu" if device is None else device)
+        x, y, ptr = self._fill_many(ids, dev)
+        order = self._split_orders(ids, dev).cpu().numpy()
+        # each client's order cut as _build cuts it: its first n_train, then the next n_test
+        n_train, n_test = self.num_train[ids], self.num_test[ids]
+        sizes = np.diff(ptr)
+        seg = np.repeat(np.arange(len(ids)), sizes)
+        pos = np.arange(len(order)) - ptr[:-1][seg]  # place within the client's order
+        rows = order + ptr[:-1][seg]
+        train = rows[pos < n_train[seg]]
+        test = rows[(pos >= n_train[seg]) & (pos < (n_train + n_test)[seg])]
+        rest = (ptr, _offsets(n_train), train, _offsets(n_test), test)
+        if device is None:
+            return Window(ids, x.numpy(), y.numpy(), *rest)
+        return Window(ids, x, y, *rest)
 
     def label_counts(self, ids: Sequence[int] | np.ndarray | None = None) -> np.ndarray | None:
         """(m, C) int64: clients ``ids``' training samples per label (rows in the order of ids,
@@ -221,7 +269,8 @@ class LazyPopulation:
     def _build(self, k: int) -> _Client:
         """Draw client k and split it as :func:`mpifl.data.federated.split_clients` does: a
         permutation of its samples by ``default_rng([seed, k, SPLIT_TAG])``, cut into train
-        then test. The permutation depends only on n_k and the generator, so permuting the
+        then test (or by the source's ``split_orders``, which the eager split uses too). The
+        permutation depends only on n_k and the generator, so permuting the
         local rows 0..n_k-1 gives the eager indices minus the client's offset."""
         n = int(self.sizes[k])
         x = np.empty((n, *self.input_shape), dtype=self.x_dtype)
@@ -233,8 +282,11 @@ class LazyPopulation:
         if n and self.vocab_size is not None and (x.min() < 0 or x.max() >= self.vocab_size):
             raise DataError(f"data set '{self.name}': client {k}'s token ids are outside "
                             f"0..{self.vocab_size - 1}")
-        perm = np.random.default_rng([self.seed, k, SPLIT_TAG]).permutation(
-            np.arange(n, dtype=np.int64))
+        if self._split_orders is not None:  # the source's own keyed order
+            perm = self._split_orders(np.array([k]), torch.device("cpu")).numpy()
+        else:
+            perm = np.random.default_rng([self.seed, k, SPLIT_TAG]).permutation(
+                np.arange(n, dtype=np.int64))
         n_train, n_test = int(self.num_train[k]), int(self.num_test[k])
         parts = (x, y, perm[:n_train].copy(), perm[n_train:n_train + n_test].copy())
         for a in parts:

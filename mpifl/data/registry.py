@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import numpy as np
+import torch
 
 from mpifl.core.errors import DataError
 from mpifl.core.params import Params
@@ -95,6 +96,12 @@ class DataPool:
         standardise: optional (F,) bool over the columns of a 2-D x: these are standardised
             after the split with the mean and std of the training pool (the union of the
             clients' train splits), so no test sample leaks into the features.
+        split_orders: optional, with ``client_sizes``: ``split_orders(sizes)`` gives the
+            (sum n_k,) int64 order in which each client's samples are split into train and
+            test (a permutation of range(n_k), one client after another), replacing
+            ``default_rng([seed, k, SPLIT_TAG])`` (:func:`mpifl.data.federated.split_clients`);
+            a lazy source of the same data must split the same way
+            (:class:`ClientSource` ``split_orders``). None: the default.
     """
 
     x: np.ndarray
@@ -105,6 +112,7 @@ class DataPool:
     client_sizes: np.ndarray | None = None
     standardise: np.ndarray | None = None
     vocab_size: int | None = None
+    split_orders: Callable[[np.ndarray], np.ndarray] | None = None
 
     def provides(self) -> frozenset[str]:
         """The tags (:data:`TAGS`) this pool offers a partition."""
@@ -171,7 +179,7 @@ class DataPool:
             s = s.astype(np.int64)
         return s
 
-    def _extras(self, name: str, x: np.ndarray) -> dict[str, np.ndarray | None]:
+    def _extras(self, name: str, x: np.ndarray) -> dict[str, Any]:
         """raw, client_sizes and standardise, checked against x."""
         raw, sizes, cols = self.raw, self.client_sizes, self.standardise
         if raw is not None and (raw.dtype != np.uint8 or raw.shape != x.shape):
@@ -248,6 +256,15 @@ class ClientSource:
         x_dtype: float32 features, or int64 token ids (then ``vocab_size`` is set).
         target_shape: () for one label a sample, (T,) for sequence targets.
         vocab_size: V for token inputs, else None.
+        fill_many: optional ``fill_many(ids, device) -> (x, y, ptr)``: the clients ``ids``
+            ((m,) int64) drawn at once as torch tensors on ``device``, x (n, *input_shape) and
+            y (n, *target_shape) int64, client j's rows at ``ptr[j]:ptr[j+1]`` ((m+1,) int64
+            numpy), each client's rows what ``fill`` writes (on a CPU bit for bit; the source
+            says how close on another device). None: the population fills client by client.
+        split_orders: optional ``split_orders(ids, device)``: the (sum n_k,) int64 tensor of
+            each client's train/test order (a permutation of range(n_k), one after another),
+            replacing ``default_rng([seed, k, SPLIT_TAG])``; the eager split must use the same
+            (Synthetic's counter generator, :mod:`mpifl.data.synthetic`). None: the default.
     """
 
     sizes: np.ndarray
@@ -257,6 +274,9 @@ class ClientSource:
     x_dtype: type[np.generic] = np.float32
     target_shape: tuple[int, ...] = ()
     vocab_size: int | None = None
+    fill_many: Callable[[np.ndarray, torch.device], tuple[torch.Tensor, torch.Tensor,
+                                                          np.ndarray]] | None = None
+    split_orders: Callable[[np.ndarray, torch.device], torch.Tensor] | None = None
 
 
 @dataclass

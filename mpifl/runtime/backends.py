@@ -89,12 +89,17 @@ def client_rows(fed: Any, client_ids: np.ndarray, *trainers: ClientTrainer | Non
     own. A lazy population (:mod:`mpifl.data.lazy`): the clients are drawn into a window, which
     is each trainer's store inside the block (``None`` trainers are skipped); after the block
     the heap's free pages go back to the OS (:func:`release_free_memory`), or the windows of a
-    long run would fragment it and a rank's memory would climb round after round.
+    long run would fragment it and a rank's memory would climb round after round. A population
+    that draws whole windows on a device (``fed.device_windows``: Synthetic's counter generator)
+    draws it on the first trainer's device (a worker's GPU), so the samples never cross the bus.
     """
     if not fed.lazy:
         yield [fed.train_indices(k) for k in client_ids], [fed.test_indices(k) for k in client_ids]
         return
-    window = fed.clients(client_ids)
+    device = None
+    if getattr(fed, "device_windows", False):
+        device = next((_device_of(t) for t in trainers if t is not None), None)
+    window = fed.clients(client_ids, device) if device is not None else fed.clients(client_ids)
     try:
         with ExitStack() as stack:
             for trainer in trainers:
@@ -105,6 +110,19 @@ def client_rows(fed: Any, client_ids: np.ndarray, *trainers: ClientTrainer | Non
     finally:
         del window
         release_free_memory()
+
+
+def _device_of(trainer: Any) -> torch.device:
+    """The device a trainer computes on: its ``device``, looked for through the wrappers
+    (:class:`mpifl.clients.interface.TrainerWrapper` keeps the wrapped one as ``trainer``),
+    else its sample store's."""
+    inner = trainer
+    while inner is not None:
+        device = getattr(inner, "device", None)
+        if device is not None:
+            return torch.device(device)
+        inner = getattr(inner, "trainer", None)
+    return torch.device(trainer.x.device)
 
 
 def stream_blocks(fed: Any, client_ids: np.ndarray, window: int | None = None
