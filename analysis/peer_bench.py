@@ -8,6 +8,16 @@ lr 0.1, one process, with
 - **W2** (``--model cnn_mnist``): the FedAvg MNIST CNN of mpifl's model zoo (two 5x5 conv
   layers of 32 and 64 channels with 2x2 max-pooling, a 512 hidden layer; d = 1,663,370) on the
   same (1, 28, 28) images.
+- **W3** (``--model pfl_simple_cnn``): the shape of pfl-research's own CIFAR-10 benchmark
+  (apple/pfl-research ``benchmarks/image_classification``, ``configs/baseline.yaml``): its
+  ``simple_cnn`` (two 3x3 conv layers of 32 and 64 channels, 2x2 max-pooling, Dropout, a 128
+  hidden layer; d = 1,626,442; analysis/pfl_models.py, an mpifl plugin), (3, 32, 32) float32
+  images and 10 classes, IID, 50 training samples a user, 1,000 users, 50 a round, B = 10,
+  E = 1, local lr 0.1, central SGD lr 1, users weighted equally (pfl's ``WeightByUser``;
+  mpifl's ``[fedavg] weighting = "uniform"``). The data: CIFAR-10 (``cifar10``) where mpifl
+  finds it, else its generated stand-in ``cifar10_like`` (same shapes, mpifl/data/standins.py),
+  60,000 images in 1,000 IID clients of 60, 5/6 of each for training. pfl's copy of the model
+  takes channels-last images and transposes them first, as pfl's benchmark does.
 
 mpifl runs jobs/fmnist-fedfv.toml with ``server.algorithm = "fedavg"``, a large
 ``run.eval_every``, ``model.name`` set to ``--model`` and ``client.trainer`` to ``--trainer``
