@@ -145,8 +145,27 @@ class Need:
         return self.nbytes * self.holders
 
 
+class _Needs:
+    """What :class:`Estimate` and :class:`GpuEstimate` share: their ``needs`` summed."""
+
+    needs: tuple[Need, ...]
+
+    @property
+    def total(self) -> float:
+        """Bytes of every need: on this node (:class:`Estimate`), on the most loaded GPU
+        (:class:`GpuEstimate`)."""
+        return sum(n.total for n in self.needs)
+
+    def largest(self) -> Need:
+        return max(self.needs, key=lambda n: n.total)
+
+    def part(self, name: str) -> Need | None:
+        """The need whose ``what`` starts with ``name`` (tests), or None."""
+        return next((n for n in self.needs if n.what.startswith(name)), None)
+
+
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(_Needs):
     """The parts of a run's memory on this node (:func:`estimate`).
 
     Attributes:
@@ -160,18 +179,6 @@ class Estimate:
     samples: float | None
     d: int | None
     ranks_on_node: int
-
-    @property
-    def total(self) -> float:
-        """Bytes on this node."""
-        return sum(n.total for n in self.needs)
-
-    def largest(self) -> Need:
-        return max(self.needs, key=lambda n: n.total)
-
-    def part(self, name: str) -> Need | None:
-        """The need whose ``what`` starts with ``name`` (tests), or None."""
-        return next((n for n in self.needs if n.what.startswith(name)), None)
 
 
 def size_text(nbytes: float) -> str:
@@ -483,7 +490,7 @@ SamplesOn = Literal["device", "host"]
 
 
 @dataclass(frozen=True)
-class GpuEstimate:
+class GpuEstimate(_Needs):
     """What the most loaded GPU of this node holds (module docstring, "GPU memory").
 
     Attributes:
@@ -502,18 +509,6 @@ class GpuEstimate:
     available: float = math.inf
     source: str = "given"
     reason: str = ""
-
-    @property
-    def total(self) -> float:
-        """Bytes on the most loaded GPU."""
-        return sum(n.total for n in self.needs)
-
-    def largest(self) -> Need:
-        return max(self.needs, key=lambda n: n.total)
-
-    def part(self, name: str) -> Need | None:
-        """The need whose ``what`` starts with ``name`` (tests), or None."""
-        return next((n for n in self.needs if n.what.startswith(name)), None)
 
 
 def _device_sample_bytes(declared: DataShape) -> float:
