@@ -47,7 +47,7 @@ Three modes:
   of docs/BENCHMARKS.md); ``--separate`` avoids the question.
 - ``--only mpifl`` / ``--only pfl``: one simulator alone in this process; prints its rounds,
   the CPU other processes used during each round (cores: /proc/stat's busy time less this
-  process's own) and a ``RESULT {json}`` line.
+  process's own) and a ``RESULT {json}`` line. ``--only mpifl`` needs no pfl-research.
 - ``--separate N``: a driver that runs N cycles of child processes (``--only``), one per
   mpifl trainer in ``--trainer`` (comma-separated, e.g. ``auto,vmap``) and one of pfl, the
   order reversed every other cycle (A B C, C B A, ...), and prints each run's steady round, the
@@ -58,6 +58,16 @@ run's figure is the median of its *quiet* steady rounds, those during which othe
 used under 0.15 cores, where at least a third of them were quiet (else all, marked ``*``);
 ``--quiet-wait S`` also waits, before each child and before each round (outside the timed
 interval), up to S seconds for a quiet window.
+
+``--device cuda`` (default ``cpu``): both simulators train on the GPU. mpifl runs with
+``server.device = "cuda"`` (trainer, samples and aggregation on the device, as ``mpifl run``
+puts them); pfl picks its PyTorch device from ``PFL_PYTORCH_DEVICE`` (``pfl.internal.ops.
+pytorch_ops.get_default_device``; unset, it takes CUDA whenever present), which this script sets
+to ``--device`` in every mode, so a CPU run stays on the CPU on a GPU node too. On CUDA pfl's
+clients' samples are put on the device once, as mpifl's are (pfl copies each host minibatch to
+the device otherwise), and CUDA is synchronised before every clock read. Use ``--separate`` on
+a GPU, so that each simulator has the device (and its caching allocator) to itself. The GEMM
+reference rate is then the device's float32 GEMM.
 
 Install pfl-research first (an optional extra; it must not replace the installed torch):
 
@@ -70,6 +80,9 @@ Run (2 threads, as in docs/BENCHMARKS.md):
     python analysis/peer_bench.py --separate 3 --rounds 40 --threads 2 --quiet-wait 120  # W1
     python analysis/peer_bench.py --model cnn_mnist --separate 3 --rounds 18 \\
         --warmup 3 --trainer auto,vmap --threads 2 --quiet-wait 120             # W2, separate
+    python analysis/peer_bench.py --model pfl_simple_cnn --separate 1 --rounds 5 \\
+        --threads 2                                                             # W3, separate
+    python analysis/peer_bench.py --model pfl_simple_cnn --separate 1 --rounds 12 --device cuda
 """
 
 from __future__ import annotations
@@ -80,6 +93,7 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,15 +101,22 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "jobs" / "fmnist-fedfv.toml"
 OVERRIDES = ['server.algorithm="fedavg"', "run.eval_every=1000000", "run.checkpoint_every=0"]
-WORKLOADS = {"mlp": "W1", "cnn_mnist": "W2"}
+WORKLOADS = {"mlp": "W1", "cnn_mnist": "W2", "pfl_simple_cnn": "W3"}
 TRAINERS = ("auto", "vmap", "loop")
+# W3: pfl-research's CIFAR-10 benchmark (configs/baseline.yaml: cifar10_iid, 50 data points a
+# user, cohort 50, B = 10, E = 1, local lr 0.1, WeightByUser) on analysis/pfl_models.py's CNN.
+# 60,000 images in 1,000 IID clients of 60; round(60 * 5/6) = 50 of each train.
+W3 = [f'plugins.path=["{Path(__file__).resolve().parent}"]', 'plugins.modules=["pfl_models"]',
+      'data.partition="iid"', "data.num_clients=1000", f"data.train_fraction={5 / 6!r}",
+      "server.clients_per_round=50", "client.batch_size=10", "client.epochs=1", "client.lr=0.1",
+      'fedavg.weighting="uniform"']
+W3_DATA = ["cifar10", "cifar10_like"]  # the real images where mpifl finds them, else the stand-in
 
 
 def loadavg() -> str:
@@ -152,24 +173,45 @@ def wait_quiet(limit_s: float, below: float = QUIET_CORES, window_s: float = 5.0
                     f"(waited {waited:.0f} s{'' if used is None or used < below else ', gave up'})")
 
 
-def overrides(model: str, trainer: str, rounds: int) -> list[str]:
-    """The ``--set`` overrides of jobs/fmnist-fedfv.toml for a workload."""
+def overrides(model: str, trainer: str, rounds: int, device: str = "cpu",
+              dataset: str | None = None) -> list[str]:
+    """The ``--set`` overrides of jobs/fmnist-fedfv.toml for a workload (W3: on ``dataset``)."""
     extra = [] if model == "mlp" else [f'model.name="{model}"']
-    return [*OVERRIDES, *extra, f'client.trainer="{trainer}"', f"run.rounds={rounds}"]
+    if WORKLOADS[model] == "W3":
+        extra += [*W3, f'data.dataset="{dataset or W3_DATA[-1]}"']
+    return [*OVERRIDES, *extra, f'client.trainer="{trainer}"', f"run.rounds={rounds}",
+            f'server.device="{device}"']
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read after it counts it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Workload:
     """The config, data, model and client schedule of W1 / W2 (no trainer)."""
 
-    def __init__(self, model: str, trainer: str, rounds: int):
+    def __init__(self, model: str, trainer: str, rounds: int, device: str = "cpu"):
+        from mpifl.core.errors import DataError
         from mpifl.experiment.assemble import build_parts
         from mpifl.experiment.config import load_config
         from mpifl.experiment.plan import make_plan
         from mpifl.runtime.server import select_clients
 
-        cfg = load_config(CONFIG, overrides(model, trainer, rounds))
-        self.plan = make_plan(cfg)
-        self.name, self.cfg, self.parts = WORKLOADS[model], cfg, build_parts(self.plan)
+        for dataset in (W3_DATA if WORKLOADS[model] == "W3" else [None]):
+            cfg = load_config(CONFIG, overrides(model, trainer, rounds, device, dataset))
+            self.plan = make_plan(cfg)
+            try:
+                self.parts = build_parts(self.plan)
+                break
+            except DataError as exc:  # W3: CIFAR-10 absent here; its stand-in next
+                if dataset == W3_DATA[-1] or dataset is None:
+                    raise
+                print(f"W3: {dataset} not found ({str(exc).splitlines()[0][:120]}); "
+                      f"generated stand-in next", flush=True)
+        self.name, self.cfg = WORKLOADS[model], cfg
+        self.device = torch.device(device)
         self.select = lambda t: select_clients(cfg.run.seed, t, self.parts.fed.num_train,
                                                cfg.server.clients_per_round, cfg.server.sampling)
 
@@ -193,9 +235,11 @@ class MpiflRounds:
         from mpifl.runtime.server import Server, ServerSetup
         from mpifl.store.results import MetricSet, ResultsWriter
 
+        from mpifl.experiment.assemble import device_for
+
         cfg, parts = wl.cfg, wl.parts
         self.cfg, self.parts, self.select = cfg, parts, wl.select
-        dev = torch.device("cpu")
+        self.device = dev = device_for(wl.plan, 0)  # server.device, as `mpifl run` picks it
         self.path, self.why = trainer_path(wl.plan, parts, dev)
         self.trainer = make_trainer(wl.plan, parts, dev)
         clients = LocalClients(self.trainer, parts.fed, dev)
@@ -205,16 +249,18 @@ class MpiflRounds:
                                world_size=1, algorithm=cfg.server.algorithm)
         self.server = Server(wl.plan.rounds,
                              ServerSetup(parts.fed, parts.layout, clients, agg, writer, dev))
-        self.w = parts.w0.clone()
+        self.w = parts.w0.clone().to(dev)  # Server.run moves w to server.device first
         self.rnd = 0
 
     def round(self) -> tuple[float, dict]:
-        t0 = time.perf_counter()
-        self.w, row = self.server._round(self.rnd, self.w)
         from mpifl.aggregators import ObservesParams
 
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.w, row = self.server._round(self.rnd, self.w)
         if isinstance(self.server.aggregator, ObservesParams):  # AFL keeps the parameters
             self.server.aggregator.observe_params(self.w)
+        sync(self.device)
         dt = time.perf_counter() - t0
         self.rnd += 1
         return dt, row
@@ -224,11 +270,14 @@ class PflModule(nn.Module):
     """A model of mpifl's zoo (same layers, same initial parameters) with the ``loss`` and
     ``metrics`` methods pfl's PyTorchModel asks for."""
 
-    def __init__(self, template: nn.Module):
+    def __init__(self, template: nn.Module, channels_last_input: bool = False):
         super().__init__()
         self.net = copy.deepcopy(template)
+        self.channels_last_input = channels_last_input
 
     def forward(self, x):
+        if self.channels_last_input:  # pfl's benchmark CNN: (N, H, W, C) -> (N, C, H, W) view
+            x = x.permute(0, 3, 1, 2)
         return self.net(x)
 
     def loss(self, x, y, eval=False):
@@ -248,7 +297,7 @@ PflMLP = PflModule  # the W1 name
 def pfl_setup(wl: Workload, rounds: int):
     """pfl-research's objects for the workload, on the same data, model and client schedule."""
     from pfl.aggregate.simulate import SimulatedBackend
-    from pfl.aggregate.weighting import WeightByDatapoints
+    from pfl.aggregate.weighting import WeightByDatapoints, WeightByUser
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
     from pfl.data.dataset import Dataset
     from pfl.data.federated_dataset import FederatedDataset
@@ -256,19 +305,25 @@ def pfl_setup(wl: Workload, rounds: int):
     from pfl.model.pytorch import PyTorchModel
 
     fed, c = wl.parts.fed, wl.cfg.client
+    w3 = wl.name == "W3"
     x, y = torch.from_numpy(fed.x).float(), torch.from_numpy(fed.y).long()
-    # Each client's training samples, as contiguous tensors (pfl slices them in order).
-    data = {k: (x[fed.train_indices(k)].contiguous(), y[fed.train_indices(k)].contiguous())
+    if w3:  # pfl's CIFAR-10 benchmark stores channels-last images (its CNN transposes them)
+        x = x.permute(0, 2, 3, 1)
+    # Each client's training samples, as contiguous tensors (pfl slices them in order), on the
+    # device where pfl trains (mpifl's trainer holds its samples there too).
+    dev = wl.device
+    data = {k: (x[fed.train_indices(k)].contiguous().to(dev),
+                y[fed.train_indices(k)].contiguous().to(dev))
             for k in range(fed.num_clients)}
     # The same clients in the same rounds as mpifl (pfl draws cohort_size ids per round).
     schedule = iter([int(k) for t in range(rounds + 1) for k in wl.select(t)])
     dataset = FederatedDataset(lambda k: Dataset(raw_data=list(data[k]), user_id=k),
                                user_sampler=lambda: next(schedule))
-    net = PflModule(wl.parts.model)
+    net = PflModule(wl.parts.model, channels_last_input=w3)
     model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
     backend = SimulatedBackend(training_data=dataset, val_data=None,
-                               postprocessors=[WeightByDatapoints()])
+                               postprocessors=[WeightByUser() if w3 else WeightByDatapoints()])
     params = NNAlgorithmParams(central_num_iterations=rounds, evaluation_frequency=10**9,
                                train_cohort_size=wl.cfg.server.clients_per_round,
                                val_cohort_size=0)
@@ -294,10 +349,12 @@ def run_pfl(wl: Workload, rounds: int, mp: MpiflRounds | None = None, quiet_wait
         def on_train_begin(self, *, model):
             if quiet_wait:
                 wait_quiet(quiet_wait, window_s=2.0)
+            sync(wl.device)
             meter.start()
             return Metrics()
 
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+            sync(wl.device)
             dt, busy = meter.stop()
             t_pfl.append(dt)
             others.append(busy)
@@ -307,6 +364,7 @@ def run_pfl(wl: Workload, rounds: int, mp: MpiflRounds | None = None, quiet_wait
                 rows.append(row)
             if quiet_wait:
                 wait_quiet(quiet_wait, window_s=2.0)
+            sync(wl.device)
             meter.start()
             return False, Metrics()
 
@@ -328,12 +386,16 @@ def train_flops_per_sample(model: nn.Module, input_shape, batch: int = 50) -> fl
     return counter.get_total_flops() / batch
 
 
-def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_rate(n: int = 2048, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """FLOP/s of an n x n float32 GEMM on ``device`` (median of ``repeats`` after one)."""
+    device = torch.device(device)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     times = []
     for k in range(repeats + 1):
+        sync(device)
         t0 = time.perf_counter()
         torch.mm(a, b)
+        sync(device)
         if k:
             times.append(time.perf_counter() - t0)
     return 2.0 * n ** 3 / statistics.median(times)
@@ -358,16 +420,23 @@ def describe(wl: Workload, rounds: int, warmup: int) -> float:
 
 
 def header(args) -> None:
-    import pfl
+    try:
+        import pfl
+        from pfl.internal.ops.pytorch_ops import get_default_device
+        peer = f"pfl {pfl.__version__}; pfl's device {get_default_device()}"
+    except ImportError as exc:  # --only mpifl runs without it
+        peer = f"pfl not importable ({exc})"
+    dev = torch.device(args.device)
+    where = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     print(f"load average at start: {loadavg()}  (cpus: {os.cpu_count()}, torch threads "
-          f"{torch.get_num_threads()}, torch {torch.__version__}, pfl {pfl.__version__})",
-          flush=True)
+          f"{torch.get_num_threads()}, torch {torch.__version__}; device {args.device}: "
+          f"{where}; {peer})", flush=True)
 
 
 def main_interleaved(args) -> int:
     trainer = args.trainer.split(",")[0]
     header(args)
-    wl = Workload(args.model, trainer, args.rounds)
+    wl = Workload(args.model, trainer, args.rounds, args.device)
     with tempfile.TemporaryDirectory() as tmp:
         mp = MpiflRounds(wl, Path(tmp) / "peer.h5")
         print(f"mpifl trainer: {mp.path} (client.trainer={trainer}: {mp.why})")
@@ -375,7 +444,7 @@ def main_interleaved(args) -> int:
     w = args.warmup
     train_flops = describe(wl, args.rounds, w)
     med_mp, med_pfl = statistics.median(t_mp[w:]), statistics.median(t_pfl[w:])
-    gemm = gemm_rate()
+    gemm = gemm_rate(device=wl.device)
     print("per round (ms), mpifl:", " ".join(f"{t * 1e3:.1f}" for t in t_mp))
     print("per round (ms), pfl:  ", " ".join(f"{t * 1e3:.1f}" for t in t_pfl))
     print(f"steady round (median of rounds {w}..{args.rounds - 1}): mpifl {med_mp * 1e3:.1f} ms, "
@@ -393,7 +462,7 @@ def main_only(args) -> int:
     trainer = args.trainer.split(",")[0]
     header(args)
     load0 = os.getloadavg()[0]
-    wl = Workload(args.model, trainer, args.rounds)
+    wl = Workload(args.model, trainer, args.rounds, args.device)
     path, rows = None, []
     if args.only == "mpifl":
         with tempfile.TemporaryDirectory() as tmp:
@@ -417,9 +486,9 @@ def main_only(args) -> int:
     steady = statistics.median(times[w:])
     quiet = [t for t, o in zip(times[w:], others[w:]) if o < QUIET_CORES]
     steady_quiet = statistics.median(quiet) if len(quiet) >= max(3, (len(times) - w) // 3) else None
-    gemm = gemm_rate()
+    gemm = gemm_rate(device=wl.device)
     print(f"per round (ms), {args.only}:", " ".join(f"{t * 1e3:.1f}" for t in times))
-    print(f"other processes' cores per round:", " ".join(f"{o:.2f}" for o in others))
+    print("other processes' cores per round:", " ".join(f"{o:.2f}" for o in others))
     print(f"steady round (median of rounds {w}..{args.rounds - 1}): {args.only} "
           f"{steady * 1e3:.1f} ms; training GFLOP/s {train_flops / steady / 1e9:.1f}; GEMM "
           f"2048^2 float32 {gemm / 1e9:.1f} GFLOP/s (fraction {train_flops / steady / gemm:.2f})")
@@ -443,14 +512,16 @@ def main_separate(args) -> int:
     print(f"separate processes: {args.separate} cycles of {len(variants)} "
           f"({', '.join(s if s == 'pfl' else f'mpifl[{t}]' for s, t in variants)}), workload "
           f"{WORKLOADS[args.model]}, {args.rounds} rounds each, warm-up {args.warmup}, "
-          f"{args.threads} threads; load average {loadavg()}", flush=True)
+          f"{args.threads} threads, device {args.device}; load average {loadavg()}", flush=True)
+    # a SIGTERM (timeout(1)) raises SystemExit, so subprocess.run kills the running child too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     results: dict[tuple[str, str], list[dict]] = {v: [] for v in variants}
     for cycle in range(args.separate):
         for sim, trainer in (variants if cycle % 2 == 0 else variants[::-1]):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--only", sim,
                    "--model", args.model, "--trainer", trainer, "--rounds", str(args.rounds),
                    "--warmup", str(args.warmup), "--threads", str(args.threads),
-                   "--quiet-wait", str(args.quiet_wait)]
+                   "--quiet-wait", str(args.quiet_wait), "--device", args.device]
             quiet = wait_quiet(args.quiet_wait) if args.quiet_wait else ""
             print(f"\n=== cycle {cycle + 1}, {sim}" + ("" if sim == "pfl" else f"[{trainer}]")
                   + f": load average before {loadavg()}" + (f"; {quiet}" if quiet else ""),
@@ -478,8 +549,8 @@ def main_separate(args) -> int:
           f"{args.warmup}..{args.rounds - 1} of each process; load average now {loadavg()}")
     gemm = statistics.median(r["gemm"] for rs in results.values() for r in rs)
     flops = statistics.median(r["train_flops"] for rs in results.values() for r in rs)
-    print(f"training GFLOP/round {flops / 1e9:.2f}; GEMM 2048^2 float32, median over the "
-          f"processes {gemm / 1e9:.1f} GFLOP/s")
+    print(f"training GFLOP/round {flops / 1e9:.2f}; GEMM 2048^2 float32 on {args.device}, "
+          f"median over the processes {gemm / 1e9:.1f} GFLOP/s")
     print(f"a run's figure: the median of its quiet steady rounds (other processes < "
           f"{QUIET_CORES} cores during the round) where at least a third were quiet, else of all "
           f"its steady rounds (marked *: disturbed)")
@@ -508,7 +579,11 @@ def main_separate(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(WORKLOADS), default="mlp",
-                    help="mlp: workload W1 (default); cnn_mnist: workload W2")
+                    help="mlp: workload W1 (default); cnn_mnist: workload W2; pfl_simple_cnn: "
+                         "workload W3 (pfl-research's CIFAR-10 benchmark shape)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where both simulators train (default cpu; cuda: mpifl's "
+                         "server.device and pfl's PFL_PYTORCH_DEVICE)")
     ap.add_argument("--trainer", default="auto",
                     help="mpifl's client.trainer: auto (default), vmap or loop; with --separate "
                          "a comma-separated list, one child per trainer and cycle")
@@ -531,12 +606,19 @@ def main(argv=None) -> int:
         ap.error("--separate runs --only children itself; give one of them")
     if args.rounds <= args.warmup:
         ap.error("--rounds must exceed --warmup")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
     torch.set_num_threads(args.threads)
+    # pfl reads it at every tensor conversion; unset, it would take a present GPU even for a
+    # CPU run. Children (--separate) inherit it.
+    os.environ["PFL_PYTORCH_DEVICE"] = args.device
     try:
-        import pfl  # noqa: F401
-    except ImportError:
-        sys.exit("peer_bench: pfl-research is not installed; see this script's docstring "
-                 "(pip install -e '.[peers]' with a torch==<installed> constraint)")
+        import pfl.algorithm  # noqa: F401 -- what fails where a dependency (scipy) is missing
+    except ImportError as exc:
+        if args.only != "mpifl":
+            sys.exit(f"peer_bench: pfl-research cannot be imported ({exc}); see this script's "
+                     "docstring (pip install -e '.[peers]' with a torch==<installed> "
+                     "constraint); --only mpifl runs without it")
     if args.separate:
         return main_separate(args)
     if args.only:

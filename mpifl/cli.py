@@ -471,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--repeats", type=int, default=5, help="timed calls per case (median)")
     ba.add_argument("--warmup", type=int, default=1, help="untimed calls first")
     ba.add_argument("--baseline-repeats", type=int, default=None,
-                    help="timed calls of the slow direct FedFV (default: --repeats)")
+                    help="timed calls of the slow direct FedFV (default: --repeats; 0: not run, "
+                         "for m where it would take hours)")
     ba.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ba.add_argument("--threads", type=int, help="torch and BLAS threads (default: their own choice)")
     ba.add_argument("--out", help="also write the results to this HDF5 file (replaced)")

@@ -106,9 +106,17 @@ def test_format_table_is_aligned():
     assert lines[3].split()[-2:] == ["1", "0.0e+00"]
 
 
+def test_no_baseline_repeats_leaves_the_direct_form_out():
+    rows = bench_aggregation(["fedfv"], [3], 50, tau=0, repeats=1, warmup=0,
+                             baseline_repeats=0).rows
+    assert [r["form"] for r in rows] == ["gram"] and rows[0]["ratio"] is None
+    both = bench_aggregation(["fedfv"], [3], 50, tau=0, repeats=1, warmup=0).rows
+    assert [r["form"] for r in both] == ["gram", "direct"]
+
+
 @pytest.mark.parametrize("kw", [dict(algorithms=["nope"]), dict(algorithms=[]), dict(ms=[0]),
                                 dict(d=0), dict(d=[]), dict(repeats=0), dict(warmup=-1),
-                                dict(tau=-1), dict(tau=[]), dict(baseline_repeats=0),
+                                dict(tau=-1), dict(tau=[]), dict(baseline_repeats=-1),
                                 dict(device="tpu"), dict(threads=0)])
 def test_bad_arguments(kw):
     args = dict(algorithms=["fedavg"], ms=[2], d=10) | kw

@@ -399,8 +399,8 @@ def _check_args(algorithms, ms, ds, taus, repeats, warmup, baseline_repeats,
                          f"known: {', '.join(available())}")
     if not ms or not ds or any(int(m) < 1 for m in ms) or any(x < 1 for x in ds):
         raise ValueError(f"m and d must be >= 1, got m={list(ms)}, d={ds}")
-    if not taus or min(taus) < 0 or repeats < 1 or warmup < 0 or baseline_repeats < 1:
-        raise ValueError(f"need tau >= 0, repeats >= 1, warmup >= 0, baseline repeats >= 1; "
+    if not taus or min(taus) < 0 or repeats < 1 or warmup < 0 or baseline_repeats < 0:
+        raise ValueError(f"need tau >= 0, repeats >= 1, warmup >= 0, baseline repeats >= 0; "
                          f"got {taus}, {repeats}, {warmup}, {baseline_repeats}")
     return bench_device(device)
 
@@ -513,7 +513,7 @@ def _bench_case(alg, inputs: _Inputs, tau, repeats, warmup, baseline_repeats, de
     state_rows = sum(m for shape in ex.stats.values() if shape == (_STATE_WIDTH,))
     hist_rows = tau * m if tau is not None else 0
     base = dict(algorithm=alg, m=m, d=d, tau=tau, bytes=4 * d * (m + hist_rows + state_rows))
-    if ex.baseline is None:
+    if ex.baseline is None or baseline_repeats == 0:  # 0: the direct form is not run
         return [_row(base, ex.forms[0], times, None, None)]
     direct = import_object(ex.baseline)(agg, seed)   # e.g. FedFV's direct form
     for r in history:
