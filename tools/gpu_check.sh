@@ -65,7 +65,7 @@ mark() { echo "== $(date -u +%H:%M:%S.%N | cut -c1-12) $*" | tee -a "$OUT/smi-ma
 
 # -- the tests ---------------------------------------------------------------------------------
 mark "pytest -m gpu"
-LIMIT=$(( $(left) < 150 ? $(left) : 150 )); [ "$LIMIT" -lt 10 ] && LIMIT=10
+LIMIT=$(( $(left) < 200 ? $(left) : 200 )); [ "$LIMIT" -lt 10 ] && LIMIT=10
 timeout "$LIMIT" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/test_gpu.py \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >> "$OUT/pytest.log"
