@@ -123,7 +123,8 @@ class ClientTrainer(Protocol):
         """``updates`` (m, d), ``losses`` (m,) and the statistics of :attr:`columns`."""
         ...
 
-    def samples(self, x: np.ndarray, y: np.ndarray) -> AbstractContextManager[None]:
+    def samples(self, x: np.ndarray | Tensor, y: np.ndarray | Tensor
+                ) -> AbstractContextManager[None]:
         """Train and evaluate on the sample store ``x``, ``y`` inside the block."""
         ...
 
@@ -184,13 +185,19 @@ class TrainerWrapper:
     def y(self) -> Tensor:
         return self.trainer.y
 
+    @property
+    def device(self) -> torch.device:
+        """Where the wrapped trainer computes (its ``device``, else its store's)."""
+        return torch.device(getattr(self.trainer, "device", self.trainer.x.device))
+
     def run_round(self, w: Tensor, round: int, lr: float, client_ids: np.ndarray,
                   sample_idx: Sequence[np.ndarray], inputs: np.ndarray | None = None,
                   state: Tensor | None = None) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         return self._call("train", self.trainer.run_round, w, round, lr, client_ids,
                           sample_idx, inputs, state)
 
-    def samples(self, x: np.ndarray, y: np.ndarray) -> AbstractContextManager[None]:
+    def samples(self, x: np.ndarray | Tensor, y: np.ndarray | Tensor
+                ) -> AbstractContextManager[None]:
         return self.trainer.samples(x, y)
 
     def evaluate(self, w: Tensor, sample_idx: Sequence[np.ndarray]

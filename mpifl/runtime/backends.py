@@ -113,16 +113,9 @@ def client_rows(fed: Any, client_ids: np.ndarray, *trainers: ClientTrainer | Non
 
 
 def _device_of(trainer: Any) -> torch.device:
-    """The device a trainer computes on: its ``device``, looked for through the wrappers
-    (:class:`mpifl.clients.interface.TrainerWrapper` keeps the wrapped one as ``trainer``),
-    else its sample store's."""
-    inner = trainer
-    while inner is not None:
-        device = getattr(inner, "device", None)
-        if device is not None:
-            return torch.device(device)
-        inner = getattr(inner, "trainer", None)
-    return torch.device(trainer.x.device)
+    """The device a trainer computes on (a wrapper forwards the wrapped trainer's), else its
+    sample store's."""
+    return torch.device(getattr(trainer, "device", trainer.x.device))
 
 
 def stream_blocks(fed: Any, client_ids: np.ndarray, window: int | None = None
