@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
+
+from tests import world as shared_world
 
 #: launcher -> the marker of the tier a test that starts it belongs to
 LAUNCHERS = {"mpiexec": "mpi", "mpirun": "mpi", "mpiexec.hydra": "mpi", "srun": "slurm",
@@ -42,7 +45,7 @@ class _Guard:
 
         def init(popen, args, *rest, **kwargs):
             name = _launcher(args)
-            if name is not None:
+            if name is not None and not shared_world.launching():
                 if os.environ.get("MPIFL_TIER_LOG"):  # to list the tests to mark
                     with open(os.environ["MPIFL_TIER_LOG"], "a") as log:
                         log.write(f"{nodeid} {LAUNCHERS[name]}\n")
@@ -79,3 +82,32 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     yield from _phase(item)
+
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """A test that reads the shared world carries the marker ``world`` (before ``-m`` selects)."""
+    for item in items:
+        if "world" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.world)
+
+
+def _shared_folder(config) -> Path:
+    """A folder every pytest-xdist worker of this session sees (the base temp's parent there)."""
+    base = config._tmp_path_factory.getbasetemp()  # pytest's own; tmp_path_factory's fixture
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def pytest_collection_finish(session):
+    """Start the shared world (tests/world.py) in the background as soon as the tests are
+    known, so its ranks work while the in-process tests run; ``world`` waits for it."""
+    if shared_world.needed(session.items) and not session.config.option.collectonly:
+        shared_world.start(session.items, _shared_folder(session.config))
+
+
+@pytest.fixture(scope="session")
+def world(request) -> shared_world.World:
+    """The shared MPI world's finished runs (tests/world.py): launched once for the session's
+    selected tests, by whichever pytest-xdist worker gets there first."""
+    return shared_world.start(request.session.items, _shared_folder(request.config)).result()

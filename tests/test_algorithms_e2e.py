@@ -1,11 +1,9 @@
-"""Every registered algorithm that applies to Fashion-MNIST runs end to end under mpiexec -n 3
-(mFairFL needs a sensitive attribute: tests/test_mfairfl_client.py runs it on Adult)."""
+"""Every registered algorithm that applies to Fashion-MNIST runs end to end on 3 ranks of the
+shared MPI world (tests/world.py;
+mFairFL needs a sensitive attribute: tests/test_mfairfl_client.py runs it on Adult)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -15,7 +13,7 @@ import pytest
 from mpifl.aggregators import available
 from mpifl.experiment.config import load_config
 from mpifl.core.errors import ConfigError
-from tests.helpers import mpiexec
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "jobs" / "fmnist-fedfv.toml"
@@ -40,16 +38,19 @@ def test_the_main_rules_are_runnable():
     assert set(runnable()) == set(available()) - {"mfairfl"}
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", runnable())
-def test_runs_under_mpiexec(name, tmp_path):
-    out = tmp_path / f"{name}.h5"
-    sets = [x for s in [*SMALL, f"server.algorithm={name}", *EXTRA.get(name, [])] for x in ("--set", s)]
-    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(MAIN), "--out", str(out),
-           "--no-progress", *sets]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def _run(name: str):
+    sets = [x for s in [*SMALL, f"server.algorithm={name}", *EXTRA.get(name, [])]
+            for x in ("--set", s)]
+    return world_run(f"e2e-{name}", ["run", str(MAIN), "--out", f"{{dir}}/e2e-{name}.h5",
+                                     "--no-progress", *sets], ranks=3)
+
+
+RUNS = {name: _run(name) for name in runnable()}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_runs_under_mpiexec(name, world):
+    out = world.file(RUNS[name])
     with h5py.File(out, "r") as f:
         assert f.attrs["status"] == "complete" and f.attrs["algorithm"] == name
         assert np.all(np.isfinite(f["model/global"][()]))

@@ -216,7 +216,12 @@ def ranks_on_node() -> int:
 
 
 def world_size() -> int | None:
-    """The job's ranks, from the launcher's environment (None when it does not say)."""
+    """The job's ranks, from the launcher's environment (None when it does not say); inside
+    :func:`mpifl.runtime.comm.communicator`, that communicator's size."""
+    from mpifl.runtime.comm import launched_size, substituted
+
+    if substituted():
+        return launched_size()
     return _env_int("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
 
 

@@ -17,7 +17,8 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,8 +58,36 @@ def wait_idle(request: Pending, max_sleep: float = 2e-4, timeout: float = 0.0,
         pause = min(2 * pause, max_sleep)
 
 
+#: the communicator :func:`communicator` put in place of MPI_COMM_WORLD, or None
+_OVERRIDE: Any = None
+
+
+@contextmanager
+def communicator(comm: Any) -> Iterator[Any]:
+    """Run what follows on ``comm`` (an mpi4py communicator) as if it were the whole job.
+
+    Inside the block :func:`world` returns ``comm`` and :func:`launched_rank` and
+    :func:`launched_size` its rank and size, so ``mpifl.cli.main`` and :func:`mpifl.run` run an
+    experiment on a sub-communicator of a larger world exactly as they would on a world of
+    that size (the test suite runs many small experiments in one launched world this way).
+    Blocks nest; leaving one restores the communicator before it.
+    """
+    global _OVERRIDE
+    before, _OVERRIDE = _OVERRIDE, comm
+    try:
+        yield comm
+    finally:
+        _OVERRIDE = before
+
+
+def substituted() -> bool:
+    """Whether a :func:`communicator` block is in force (its size is then the job's)."""
+    return _OVERRIDE is not None
+
+
 def world(init_timeout_s: float = 0.0) -> Any:
-    """The MPI world communicator, or None when mpi4py is not installed.
+    """The MPI world communicator (or the one :func:`communicator` put in its place), or None
+    when mpi4py is not installed.
 
     Args:
         init_timeout_s: seconds this rank may spend in MPI_Init (the first import of
@@ -69,6 +98,8 @@ def world(init_timeout_s: float = 0.0) -> Any:
             launcher ends the job and a SLURM job's next launch can follow. Seen under
             ``srun --mpi=pmi2`` when the PMI exchange breaks (slurm/README.md).
     """
+    if _OVERRIDE is not None:
+        return _OVERRIDE
     try:
         import mpi4py  # noqa: F401  (installed? MPI_Init comes with mpi4py.MPI)
     except ImportError:
@@ -92,7 +123,10 @@ def world(init_timeout_s: float = 0.0) -> Any:
 
 
 def launched_rank() -> int:
-    """This process's rank from the launcher's environment, before MPI_Init (0 without one)."""
+    """This process's rank from the launcher's environment, before MPI_Init (0 without one);
+    inside :func:`communicator`, the rank in that communicator."""
+    if _OVERRIDE is not None:
+        return int(_OVERRIDE.Get_rank())
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])

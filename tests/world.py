@@ -1,0 +1,190 @@
+"""One launched MPI world for the runs whose files the tests only read.
+
+Starting ``mpiexec -n 3 python -m mpifl`` costs seconds of Python and torch start-up on every
+rank before the run does anything, and many tests only read a finished run's files (an
+end-to-end run of each rule, the reference run of a kill-and-resume test). A test module
+declares such runs once, at import::
+
+    FEDFV = world_run("e2e-fedfv", ["run", str(MAIN), "--out", "{dir}/e2e-fedfv.h5"], ranks=3)
+
+and a test reads them through the session fixture ``world`` (``tests/conftest.py``)::
+
+    def test_it(world):
+        with h5py.File(world.file(FEDFV), "r") as f: ...
+
+The first test that asks starts **one** world (``tests/mpi/world.py``) that performs every
+declared run that the session's selected tests need, each on a sub-communicator of the ranks it
+asks for, through the command line's entry point (``mpifl.cli.main``); every other test, on any
+pytest-xdist worker, waits for it behind a file lock and reads the same files. Adding a run
+adds a run to that world, not a launch. ``{dir}`` in a run's argv is the world's folder; files
+a run needs (job files) are written there first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "mpi" / "world.py"
+#: seconds the whole world may take (its runs are small; this bounds a hang)
+WORLD_TIMEOUT_S = 1800
+#: the name of the thread that starts the world
+THREAD = "mpifl-world"
+#: the environment of every world run (one thread a rank unless a run sets its own)
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class WorldRun:
+    """One run of the world: ``mpifl ARGV`` on ``ranks`` ranks, declared by ``module``."""
+
+    name: str
+    argv: tuple[str, ...]
+    ranks: int
+    module: str
+    files: tuple[tuple[str, str], ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    def spec(self) -> dict:
+        return {"name": self.name, "argv": list(self.argv), "ranks": self.ranks,
+                "env": {**ENV, **dict(self.env)}}
+
+
+_RUNS: dict[str, WorldRun] = {}
+
+
+def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, str] | None = None,
+              env: dict[str, str] | None = None) -> WorldRun:
+    """Declare the run ``name`` (``mpifl ARGV`` on ``ranks`` ranks) of the shared world.
+
+    Args:
+        name: unique in the suite; also names the run's output files.
+        argv: the words after ``mpifl``; ``{dir}`` stands for the world's folder.
+        ranks: 1 to 4.
+        files: {file name: text} written into the world's folder before it starts.
+        env: environment variables of this run only.
+    """
+    caller = inspect.stack()[1].frame.f_globals["__name__"]
+    run = WorldRun(name, tuple(argv), ranks, caller, tuple(sorted((files or {}).items())),
+                   tuple(sorted((env or {}).items())))
+    if name in _RUNS and _RUNS[name] != run:
+        raise ValueError(f"world run {name!r} declared twice, differently")
+    if not 1 <= ranks <= 4:
+        raise ValueError(f"world run {name!r}: ranks = {ranks}, expected 1 to 4")
+    _RUNS[name] = run
+    return run
+
+
+@dataclass
+class World:
+    """The finished world: each run's files in ``folder``."""
+
+    folder: Path
+    runs: dict[str, WorldRun] = field(default_factory=dict)
+
+    def path(self, name: str) -> Path:
+        return self.folder / name
+
+    def output(self, run: WorldRun) -> str:
+        """Everything the run's ranks printed (rank 0 first)."""
+        parts = sorted(self.folder.glob(f"{run.name}.out.*"), key=lambda p: int(p.suffix[1:]))
+        return "".join(p.read_text(errors="replace") for p in parts)
+
+    def status(self, run: WorldRun) -> int:
+        """The run's exit status; fails the test when the run never ended."""
+        if run.name not in self.runs:
+            pytest.fail(f"world run {run.name!r} was not started: its module's tests were "
+                        "not selected (tests/world.py)", pytrace=False)
+        status = self.folder / f"{run.name}.status"
+        if not status.exists():
+            log = (self.folder / "world.log").read_text(errors="replace")[-3000:]
+            pytest.fail(f"world run {run.name!r} did not end (the world stopped before it):\n"
+                        f"{log}\n{self.output(run)[-3000:]}", pytrace=False)
+        return int(status.read_text())
+
+    def file(self, run: WorldRun, name: str | None = None) -> Path:
+        """The run's results file (``{dir}/<name>.h5``, or ``name``), after asserting that the
+        run exited 0."""
+        status = self.status(run)
+        assert status == 0, f"world run {run.name} exited {status}:\n{self.output(run)[-3000:]}"
+        return self.folder / (name or f"{run.name}.h5")
+
+
+def needed(items) -> dict[str, WorldRun]:
+    """The declared runs of the modules whose selected tests use the ``world`` fixture."""
+    modules = {item.module.__name__ for item in items
+               if "world" in getattr(item, "fixturenames", ())
+               and getattr(item, "module", None) is not None}
+    return {n: r for n, r in sorted(_RUNS.items()) if r.module in modules}
+
+
+def _launch(runs: dict[str, WorldRun], folder: Path) -> None:
+    from tests.helpers import mpiexec
+
+    for run in runs.values():
+        for name, text in run.files:
+            (folder / name).write_text(text.replace("{dir}", str(folder)))
+    specs = [{**r.spec(), "argv": [a.replace("{dir}", str(folder)) for a in r.argv]}
+             for r in runs.values()]
+    manifest = folder / "manifest.json"
+    manifest.write_text(json.dumps(specs, indent=1))
+    size = max(r.ranks for r in runs.values())
+    start = time.monotonic()
+    with open(folder / "world.log", "w") as log:
+        proc = subprocess.run([mpiexec(), "-n", str(size), sys.executable, str(SCRIPT),
+                               str(manifest)], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, **ENV}, timeout=WORLD_TIMEOUT_S, cwd=folder)
+        log.write(f"\nworld of {size} ranks, {len(runs)} runs: exit {proc.returncode} "
+                  f"in {time.monotonic() - start:.1f} s\n")
+
+
+def _build(runs: dict[str, WorldRun], shared: Path) -> World:
+    key = hashlib.sha256(json.dumps([r.spec() for r in runs.values()]).encode()
+                         + repr([r.files for r in runs.values()]).encode()).hexdigest()[:12]
+    folder = shared / f"world-{key}"
+    with FileLock(str(shared / f"world-{key}.lock")):
+        if not (folder / "world.log").exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            _launch(runs, folder)
+    return World(folder, runs)
+
+
+_STARTED: Future | None = None
+
+
+def start(items, shared: Path) -> Future:
+    """The world for ``items`` (their modules' declared runs), started once per folder
+    ``shared`` and set of runs: the first caller of the session launches it in a background
+    thread; another pytest-xdist worker's thread waits for it behind a file lock and reads the
+    same files. The future's result is the :class:`World`."""
+    global _STARTED
+    if _STARTED is None:
+        runs = needed(items)
+        _STARTED = ThreadPoolExecutor(1, thread_name_prefix=THREAD).submit(
+            _build, runs, shared) if runs else _done(World(shared, {}))
+    return _STARTED
+
+
+def _done(world: World) -> Future:
+    future: Future = Future()
+    future.set_result(world)
+    return future
+
+
+def launching() -> bool:
+    """Whether this thread is the one starting the world (``tests/conftest.py`` lets its
+    mpiexec through while an unmarked test runs)."""
+    return threading.current_thread().name.startswith(THREAD)
