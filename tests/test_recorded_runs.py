@@ -1,17 +1,26 @@
 """Behaviour did not change with the build-once redesign (one frozen plan, ``Needs``): runs
-made by the code from before it began (commit :data:`BEFORE`, extracted with ``git archive``) and by
-today's code equal each other bit for bit on this machine: every rule on a small job, the main job
-under mpiexec -n 3 (3 rounds), a sharded server (``server.shards = 2``) and a killed-and-resumed
-run.
+made by the code from before it began (commit :data:`BEFORE`) and by today's code equal each
+other bit for bit on this machine: every rule on a small job (one process each), the main job on
+3 ranks (3 rounds), a sharded server (``server.shards = 2``) and a stopped-and-resumed run.
 
 "Equal" means every HDF5 dataset of the results files (the rounds table, every evaluation's
 per-client arrays, the final model) holds the same bytes, except wall-clock times and memory
 figures, which no two runs share.
 
-Without the project's git history (a shallow clone), today's runs are compared with
-:data:`RECORDING`: the SHA-256 of every such dataset of the old code's runs, recorded on the
-machine this project is developed and tested on (``python -m tests.test_recorded_runs``
-rewrites it from the old code).
+The old code's runs are recorded as digests, :data:`RECORDING`: the SHA-256 of every such
+dataset, with the commit and the command that made them under ``"_recorded"``, one set per
+kind of machine (:func:`machine`: the CPU's vendor and vector extensions and torch's version,
+since float kernels, and so the last bits, differ between them). Today's runs (in the shared
+MPI world, tests/world.py) are compared with this machine's set in every ``make test``; on a
+kind of machine the file does not know, the old code is replayed from git instead (as slow as
+before, and as exact). Recording this machine's set is one command, which extracts
+:data:`BEFORE` with ``git archive`` and runs it::
+
+    python -m tests.test_recorded_runs
+
+and the replay itself (the old code run from git, compared with the recording) is the tests
+marked ``replay``: ``python -m pytest -m replay tests/test_recorded_runs.py`` (needs the git
+history and mpiexec; left out of ``make test``).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import pytest
 
 from mpifl.aggregators import available
 from tests.helpers import mpiexec
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The last commit before the build-once redesign began (its first change was the rule's needs).
@@ -45,6 +55,26 @@ VOLATILE = ("time_", "peak_rss", "bytes_moved")
 #: the old code's runs, as digests (used without git history)
 RECORDING = ROOT / "tests" / "data" / f"recorded-{BEFORE}.json"
 RUNS = ["main", "sharded", "resumed"]
+#: how RECORDING was made (its "_recorded" entry)
+HOW = {"commit": BEFORE, "command": "python -m tests.test_recorded_runs",
+       "runs": "the rule jobs in one process, then main, sharded and resumed under mpiexec -n 3"}
+
+
+def machine() -> str:
+    """The kind of machine a recording holds for: CPU vendor, torch's CPU capability (the
+    vector kernels it picks), torch's version."""
+    import torch
+
+    vendor = next((line.split(":", 1)[1].strip() for line in
+                   Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("vendor_id")), "unknown")
+    return f"{vendor} {torch.backends.cpu.get_cpu_capability()} torch {torch.__version__}"
+
+
+def _recording(kind: str | None = None) -> dict[str, dict[str, str]] | None:
+    """{run: {dataset: digest}} of :data:`RECORDING` for the machine ``kind`` (default: this
+    one), or None when the file holds none for it."""
+    return json.loads(RECORDING.read_text())["machines"].get(kind or machine())
 
 
 def _sets(words: list[str]) -> list[str]:
@@ -55,7 +85,8 @@ def _rule_jobs() -> list[tuple[str, list[str]]]:
     """(name, argv after ``mpifl``) of the small single-process run of every rule the old code
     has (those in :data:`RECORDING`; a rule added since has no old run to equal)."""
     jobs = []
-    old = set(json.loads(RECORDING.read_text()))
+    old = {"afl", "ditto", "drfl", "fedavg", "fedfa", "fedfv", "fedlf", "fedmdfg", "fedmeta",
+           "fedmgda_plus", "fedprox", "mfairfl", "qfedavg", "uga"}  # the rules of BEFORE
     for name in sorted(set(available()) & old):
         if name == "mfairfl":  # needs a sensitive attribute: Adult, 5 clients
             words = ["run.rounds=2", "client.epochs=1", "model.hidden=[16]",
@@ -77,6 +108,34 @@ for name, argv in json.loads(sys.argv[1]):
 """
 
 
+MAIN_SETS = ["run.rounds=3", "run.eval_every=3"]
+SHARD_SETS = ["run.rounds=2", "run.eval_every=2", "data.num_clients=12",
+              "server.clients_per_round=4", "model.hidden=[32]", "server.shards=2"]
+# a run stopped after 2 of 4 rounds (its last checkpoint), then resumed to the end
+RESUMED_SETS = ["run.rounds=2", "run.checkpoint_every=1", *SMALL[1:]]
+
+
+def _world_runs() -> dict[str, list]:
+    """Today's runs, in the shared world: {recorded run: its world runs (a resume last)}."""
+    runs = {name: [world_run(f"rec-{name}", [*argv, "--out", f"{{dir}}/rec-{name}.h5",
+                                             "--no-progress"], ranks=1)]
+            for name, argv in _rule_jobs()}
+    runs["main"] = [world_run("rec-main", ["run", str(MAIN), "--out", "{dir}/rec-main.h5",
+                                           "--no-progress", *_sets(MAIN_SETS)])]
+    runs["sharded"] = [world_run("rec-sharded", ["run", str(MAIN), "--out",
+                                                 "{dir}/rec-sharded.h5", "--no-progress",
+                                                 *_sets(SHARD_SETS)])]
+    runs["resumed"] = [world_run("rec-resumed", ["run", str(MAIN), "--out",
+                                                 "{dir}/rec-resumed.h5", "--no-progress",
+                                                 *_sets(RESUMED_SETS)]),
+                       world_run("rec-resumed-end", ["resume", "{dir}/rec-resumed.h5",
+                                                     "--rounds", "4", "--no-progress"])]
+    return runs
+
+
+WORLD = _world_runs()
+
+
 def _record(src: Path | None, out: Path) -> None:
     """Run every recorded job with the code in ``src`` (None: today's) into ``out``."""
     out.mkdir(parents=True)
@@ -92,23 +151,23 @@ def _record(src: Path | None, out: Path) -> None:
     run([sys.executable, "-c", RUNNER, json.dumps(_rule_jobs()), str(out)])
     mpi = [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl"]
     run([*mpi, "run", str(MAIN), "--out", str(out / "main.h5"), "--no-progress",
-         *_sets(["run.rounds=3", "run.eval_every=3"])])
-    shard_words = ["run.rounds=2", "run.eval_every=2", "data.num_clients=12",
-                   "server.clients_per_round=4", "model.hidden=[32]", "server.shards=2"]
+         *_sets(MAIN_SETS)])
     run([*mpi, "run", str(MAIN), "--out", str(out / "sharded.h5"), "--no-progress",
-         *_sets(shard_words)])
-    # a run stopped after 2 of 4 rounds (its last checkpoint), then resumed to the end
-    resumed = ["run.rounds=2", "run.checkpoint_every=1", *SMALL[1:]]
+         *_sets(SHARD_SETS)])
     run([*mpi, "run", str(MAIN), "--out", str(out / "resumed.h5"), "--no-progress",
-         *_sets(resumed)])
+         *_sets(RESUMED_SETS)])
     run([*mpi, "resume", str(out / "resumed.h5"), "--rounds", "4", "--no-progress"])
 
 
+def _digest(path: Path) -> dict[str, str]:
+    """{dataset: sha256 of its dtype, shape and bytes} of one results file."""
+    return {k: hashlib.sha256(f"{v.dtype.str}{v.shape}".encode() + v.tobytes()).hexdigest()
+            for k, v in sorted(_datasets(path).items())}
+
+
 def _digests(folder: Path) -> dict[str, dict[str, str]]:
-    """{run: {dataset: sha256 of its dtype, shape and bytes}} of every recorded run."""
-    return {run: {k: hashlib.sha256(f"{v.dtype.str}{v.shape}".encode() + v.tobytes()).hexdigest()
-                  for k, v in sorted(_datasets(folder / f"{run}.h5").items())}
-            for run in [name for name, _ in _rule_jobs()] + RUNS}
+    """{run: digests} of every recorded run made by :func:`_record` into ``folder``."""
+    return {run: _digest(folder / f"{run}.h5") for run in [name for name, _ in _rule_jobs()] + RUNS}
 
 
 def _extract(dest: Path) -> bool:
@@ -133,41 +192,73 @@ def _datasets(path: Path) -> dict[str, np.ndarray]:
     return found
 
 
+def _compare(before: dict[str, str], after: dict[str, str], run: str) -> None:
+    assert "model/global" in after and any(k.startswith("eval/") for k in after)
+    want = {k: v for k, v in before.items() if not any(x in k for x in VOLATILE)}
+    assert sorted(want) == sorted(after)
+    differ = [k for k in after if want[k] != after[k]]
+    assert not differ, f"{run}: {differ}"
+
+
+def test_the_recording_says_how_it_was_made():
+    recording = json.loads(RECORDING.read_text())
+    assert recording["_recorded"] == HOW
+    for kind, runs in recording["machines"].items():
+        assert set(runs) == {name for name, _ in _rule_jobs()} | set(RUNS), kind
+
+
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory) -> tuple[dict, Path]:
-    """The old code's digests (run now from git history, else :data:`RECORDING`) and the
-    folder of today's runs."""
+def before(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """The old code's digests on this kind of machine: recorded, else replayed from git."""
+    if (recorded := _recording()) is not None:
+        return recorded
     base = tmp_path_factory.mktemp("recorded")
-    if _extract(base / "before"):
-        _record(base / "before", base / "runs-before")
-        before = _digests(base / "runs-before")
-    else:
-        before = json.loads(RECORDING.read_text())
-    _record(None, base / "runs-after")
-    return before, base / "runs-after"
+    if not _extract(base / "before"):
+        pytest.fail(f"{RECORDING} holds no runs for {machine()!r} and no git history holds "
+                    f"{BEFORE} to replay: record them with python -m tests.test_recorded_runs "
+                    "on a full clone", pytrace=False)
+    _record(base / "before", base / "runs-before")
+    return _digests(base / "runs-before")
 
 
+@pytest.mark.mpi  # replays the old code under mpiexec on a machine the recording lacks
+@pytest.mark.parametrize("run", sorted(WORLD))
+def test_runs_are_bit_identical_to_the_recording(world, before, run):
+    """Today's run (the shared world) against the old code's digests on this machine."""
+    path = world.file(WORLD[run][-1], f"rec-{run}.h5")
+    _compare(before[run], _digest(path), run)
+
+
+@pytest.mark.replay
 def test_the_old_code_runs_from_its_own_tree(tmp_path):
     """A process with the extracted tree on its PYTHONPATH imports it, not the editable
     install (so the old runs really are the old code's)."""
     if not _extract(tmp_path / "before"):
-        pytest.fail(f"no git history holds {BEFORE}: the runs are compared with {RECORDING}")
+        pytest.fail(f"no git history holds {BEFORE}: the replay needs it")
     probe = subprocess.run([sys.executable, "-c", "import mpifl; print(mpifl.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path,
                            env={**os.environ, "PYTHONPATH": str(tmp_path / "before")})
     assert probe.stdout.strip().startswith(str(tmp_path / "before"))
 
 
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory) -> dict[str, dict[str, str]]:
+    """The old code's digests, from its runs made now (from git history)."""
+    base = tmp_path_factory.mktemp("recorded")
+    if not _extract(base / "before"):
+        pytest.fail(f"no git history holds {BEFORE}: the replay needs it")
+    _record(base / "before", base / "runs-before")
+    return _digests(base / "runs-before")
+
+
+@pytest.mark.replay
 @pytest.mark.mpi
-@pytest.mark.parametrize("run", [name for name, _ in _rule_jobs()] + RUNS)
-def test_runs_are_bit_identical_to_the_recording(recorded, run):
-    before, folder = recorded
-    after = _digests(folder)[run]
-    assert "model/global" in after and any(k.startswith("eval/") for k in after)
-    want = {k: v for k, v in before[run].items() if not any(x in k for x in VOLATILE)}
-    assert sorted(want) == sorted(after)
-    differ = [k for k in after if want[k] != after[k]]
-    assert not differ, f"{run}: {differ}"
+@pytest.mark.parametrize("run", sorted(WORLD))
+def test_the_old_code_still_makes_the_recording(replayed, run):
+    recorded = _recording()
+    if recorded is None:
+        pytest.fail(f"{RECORDING} holds no runs for {machine()!r}", pytrace=False)
+    _compare(recorded[run], replayed[run], run)
 
 
 if __name__ == "__main__":  # rewrite RECORDING from the old code's runs
@@ -176,5 +267,8 @@ if __name__ == "__main__":  # rewrite RECORDING from the old code's runs
     with tempfile.TemporaryDirectory() as tmp:
         assert _extract(Path(tmp) / "before"), f"git archive {BEFORE} failed"
         _record(Path(tmp) / "before", Path(tmp) / "runs")
-        RECORDING.write_text(json.dumps(_digests(Path(tmp) / "runs"), indent=1, sort_keys=True))
-    print(f"wrote {RECORDING}")
+        recording = json.loads(RECORDING.read_text())
+        recording["_recorded"] = HOW
+        recording.setdefault("machines", {})[machine()] = _digests(Path(tmp) / "runs")
+        RECORDING.write_text(json.dumps(recording, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {RECORDING} for {machine()}")

@@ -124,11 +124,12 @@ class World:
 
 
 def needed(items) -> dict[str, WorldRun]:
-    """The declared runs of the modules whose selected tests use the ``world`` fixture."""
+    """The declared runs of the modules whose selected tests use the ``world`` fixture, in the
+    order they were declared (a resume follows its run)."""
     modules = {item.module.__name__ for item in items
                if "world" in getattr(item, "fixturenames", ())
                and getattr(item, "module", None) is not None}
-    return {n: r for n, r in sorted(_RUNS.items()) if r.module in modules}
+    return {n: r for n, r in _RUNS.items() if r.module in modules}  # in declaration order
 
 
 def _launch(runs: dict[str, WorldRun], folder: Path) -> None:
