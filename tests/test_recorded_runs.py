@@ -118,18 +118,20 @@ RESUMED_SETS = ["run.rounds=2", "run.checkpoint_every=1", *SMALL[1:]]
 def _world_runs() -> dict[str, list]:
     """Today's runs, in the shared world: {recorded run: its world runs (a resume last)}."""
     runs = {name: [world_run(f"rec-{name}", [*argv, "--out", f"{{dir}}/rec-{name}.h5",
-                                             "--no-progress"], ranks=1)]
+                                             "--no-progress"], ranks=1, for_mpi=True)]
             for name, argv in _rule_jobs()}
     runs["main"] = [world_run("rec-main", ["run", str(MAIN), "--out", "{dir}/rec-main.h5",
-                                           "--no-progress", *_sets(MAIN_SETS)])]
+                                           "--no-progress", *_sets(MAIN_SETS)],
+                               for_mpi=True)]
     runs["sharded"] = [world_run("rec-sharded", ["run", str(MAIN), "--out",
                                                  "{dir}/rec-sharded.h5", "--no-progress",
-                                                 *_sets(SHARD_SETS)])]
+                                                 *_sets(SHARD_SETS)], for_mpi=True)]
     runs["resumed"] = [world_run("rec-resumed", ["run", str(MAIN), "--out",
                                                  "{dir}/rec-resumed.h5", "--no-progress",
-                                                 *_sets(RESUMED_SETS)]),
+                                                 *_sets(RESUMED_SETS)], for_mpi=True),
                        world_run("rec-resumed-end", ["resume", "{dir}/rec-resumed.h5",
-                                                     "--rounds", "4", "--no-progress"])]
+                                                     "--rounds", "4", "--no-progress"],
+                                 for_mpi=True)]
     return runs
 
 

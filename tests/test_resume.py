@@ -20,6 +20,7 @@ import pytest
 from mpifl.store import checkpoint
 from mpifl.store.results import MEASURED_COLUMNS
 from tests.helpers import kill_tree, mpiexec, process_tree, write_fmnist_job
+from tests.world import world_run
 
 JOB = """
 [run]
@@ -87,20 +88,40 @@ def job(tmp_path_factory) -> Path:
     return write_fmnist_job(tmp_path_factory, "resume.toml", JOB)
 
 
-@pytest.fixture(scope="module")
-def reference(job, tmp_path_factory) -> tuple[Path, float]:
-    """The uninterrupted run on 3 ranks, and how long it took."""
-    out = tmp_path_factory.mktemp("ref") / "ref.h5"
-    t0 = time.monotonic()
-    run(3, "run", str(job), "--out", str(out))
-    return out, time.monotonic() - t0
+# runs only read, in the shared world (tests/world.py); the job file is written beside them
+JOB_FILE = {"resume.toml": JOB}
+REFERENCE = world_run("resume-ref", ["run", "{dir}/resume.toml", "--out", "{dir}/resume-ref.h5",
+                                     "--no-progress"], files=JOB_FILE, for_mpi=True)
+NINE = world_run("resume-9", ["run", "{dir}/resume.toml", "--out", "{dir}/resume-9.h5",
+                              "--no-progress", "--set", "run.rounds=9"], files=JOB_FILE)
+NINE_ON_2 = world_run("resume-9-on-2", ["resume", "{dir}/resume-9.h5", "--rounds", "24",
+                                        "--no-progress"], ranks=2)
+WHOLE = world_run("resume-whole", ["run", "{dir}/resume.toml", "--out", "{dir}/resume-whole.h5",
+                                   "--no-progress"], files=JOB_FILE)
+NAN = world_run("resume-nan", ["run", "{dir}/resume.toml", "--out", "{dir}/resume-nan.h5",
+                               "--no-progress", "--set", "run.rounds=6",
+                               "--set", "faults.nan_clients=[0,1,2,3,4,5,6,7]"], files=JOB_FILE)
+DROPOUT = {ranks: world_run(f"resume-dropout-{ranks}", [
+    "run", "{dir}/resume.toml", "--out", f"{{dir}}/resume-dropout-{ranks}.h5", "--no-progress",
+    "--set", "run.rounds=6", "--set", "client.dropout=0.5"], files=JOB_FILE, ranks=ranks)
+    for ranks in (1, 3)}
 
 
-def kill_job_after(cmd: list[str], seconds: float) -> int | None:
-    """Start an mpiexec job and SIGKILL every process of it (ranks, proxy, mpiexec) after
-    ``seconds``; returns None if it was killed, else its exit status."""
+def round_seconds(path: Path) -> float:
+    """Seconds a finished run spent in its rounds (every measured phase)."""
+    with h5py.File(path, "r") as f:
+        return float(sum(f["rounds"][k][()].sum() for k in f["rounds"] if k.startswith("time_")))
+
+
+def kill_job_within(cmd: list[str], ckpt: Path, seconds: float) -> int | None:
+    """Start an mpiexec job and SIGKILL every process of it (ranks, proxy, mpiexec)
+    ``seconds`` after its first checkpoint (round 0: set-up done) appears; returns None if it
+    was killed, else its exit status."""
     proc = subprocess.Popen(cmd, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    first = ckpt / "round-000000.h5"
+    while proc.poll() is None and not first.exists():
+        time.sleep(0.01)
     try:
         proc.wait(timeout=seconds)
     except subprocess.TimeoutExpired:
@@ -112,24 +133,27 @@ def kill_job_after(cmd: list[str], seconds: float) -> int | None:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_sigkill_at_random_points_then_resume_is_bit_exact(job, reference, tmp_path):
-    ref, duration = reference
+def test_sigkill_at_random_points_then_resume_is_bit_exact(job, world, tmp_path):
+    """Two kills at random instants of the rounds (set-up is the same code in every run and
+    its kill is in tests/test_reliability.py), each resumed and compared."""
+    ref = world.file(REFERENCE)
     rng = np.random.default_rng(int(time.time()))
-    points = sorted(rng.uniform(0.25, 0.95, size=3) * duration)
+    points = sorted(rng.uniform(0.1, 0.8, size=2) * round_seconds(ref))
     killed = 0
     for i, seconds in enumerate(points):
         out = tmp_path / f"k{i}.h5"
-        if kill_job_after(command(3, "run", str(job), "--out", str(out)), seconds) is None:
+        cmd = command(3, "run", str(job), "--out", str(out))
+        if kill_job_within(cmd, Path(f"{out}.ckpt"), seconds) is None:
             killed += 1
         run(3, "run", str(job), "--out", str(out), "--resume")
         assert_same(out, ref)
-    assert killed >= 2, f"the job finished before most kill points {points}"
+    assert killed >= 1, f"the job finished before the kill points {points}"
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_sigterm_checkpoints_exits_3_and_resume_is_exact(job, reference, tmp_path):
-    ref, _ = reference
+def test_sigterm_checkpoints_exits_3_and_resume_is_exact(job, world, tmp_path):
+    ref = world.file(REFERENCE)
     out = tmp_path / "t.h5"
     proc = subprocess.Popen(command(3, "run", str(job), "--out", str(out)), env=ENV,
                             start_new_session=True, stderr=subprocess.PIPE, text=True)
@@ -149,20 +173,16 @@ def test_sigterm_checkpoints_exits_3_and_resume_is_exact(job, reference, tmp_pat
     assert_same(out, ref)
 
 
-@pytest.mark.mpi
-def test_resume_on_another_world_size_agrees(job, reference, tmp_path):
-    ref, _ = reference
-    out = tmp_path / "w.h5"
-    run(3, "run", str(job), "--out", str(out), "--set", "run.rounds=9")  # eval_every = 3
-    run(2, "resume", str(out), "--rounds", "24")
-    a, b = contents(out), contents(ref)
+def test_resume_on_another_world_size_agrees(world):
+    """9 rounds on 3 ranks (eval_every = 3), resumed to 24 on 2, against all 24 on 3."""
+    assert world.status(NINE) == 0
+    a, b = contents(world.file(NINE_ON_2, "resume-9.h5")), contents(world.file(WHOLE))
     np.testing.assert_array_equal(a["eval/client_accuracy"], b["eval/client_accuracy"])
     np.testing.assert_allclose(a["model/global"], b["model/global"], atol=1e-5)
 
 
-@pytest.mark.mpi
-def test_changed_config_on_resume_is_refused_with_the_differences(job, reference, tmp_path):
-    ref, _ = reference
+@pytest.mark.slow
+def test_changed_config_on_resume_is_refused_with_the_differences(job, tmp_path):
     out = tmp_path / "c.h5"
     run(1, "run", str(job), "--out", str(out), "--set", "run.rounds=2")
     proc = run(1, "run", str(job), "--out", str(out), "--resume", "--set", "fedfv.tau=3",
@@ -175,12 +195,8 @@ def test_changed_config_on_resume_is_refused_with_the_differences(job, reference
     run(1, "run", str(job), "--out", str(out), "--resume", "--set", "run.rounds=3")  # allowed
 
 
-@pytest.mark.mpi
-def test_nan_clients_are_rejected_and_counted(job, tmp_path):
-    out = tmp_path / "nan.h5"
-    run(3, "run", str(job), "--out", str(out), "--set", "run.rounds=6",
-        "--set", "faults.nan_clients=[0,1,2,3,4,5,6,7]")
-    with h5py.File(out, "r") as f:
+def test_nan_clients_are_rejected_and_counted(world):
+    with h5py.File(world.file(NAN), "r") as f:
         rejected = f["rounds/rejected"][()]
         aggregated = f["rounds/num_clients"][()]
         assert np.all(np.isfinite(f["model/global"][()]))
@@ -204,11 +220,8 @@ def test_a_round_where_every_update_is_rejected_leaves_the_model(job, tmp_path):
         assert np.array_equal(f["model/global"][()], initial)
 
 
-@pytest.mark.mpi
-def test_dropout_is_keyed_and_counted(job, tmp_path):
-    a, b = tmp_path / "a.h5", tmp_path / "b.h5"
-    run(1, "run", str(job), "--out", str(a), "--set", "run.rounds=6", "--set", "client.dropout=0.5")
-    run(3, "run", str(job), "--out", str(b), "--set", "run.rounds=6", "--set", "client.dropout=0.5")
+def test_dropout_is_keyed_and_counted(world):
+    a, b = world.file(DROPOUT[1]), world.file(DROPOUT[3])
     with h5py.File(a, "r") as f:
         dropped, n = f["rounds/dropped"][()], f["rounds/num_clients"][()]
     assert np.all(dropped + n == 6) and 0 < dropped.sum() < 36

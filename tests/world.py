@@ -57,6 +57,7 @@ class WorldRun:
     module: str
     files: tuple[tuple[str, str], ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    for_mpi: bool = False
 
     def spec(self) -> dict:
         return {"name": self.name, "argv": list(self.argv), "ranks": self.ranks,
@@ -67,7 +68,7 @@ _RUNS: dict[str, WorldRun] = {}
 
 
 def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, str] | None = None,
-              env: dict[str, str] | None = None) -> WorldRun:
+              env: dict[str, str] | None = None, for_mpi: bool = False) -> WorldRun:
     """Declare the run ``name`` (``mpifl ARGV`` on ``ranks`` ranks) of the shared world.
 
     Args:
@@ -76,10 +77,12 @@ def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, st
         ranks: 1 to 4.
         files: {file name: text} written into the world's folder before it starts.
         env: environment variables of this run only.
+        for_mpi: read by tests marked ``mpi`` (the reference of a kill-and-resume test), so
+            started in the MPI tier's world rather than the in-process tier's.
     """
     caller = inspect.stack()[1].frame.f_globals["__name__"]
     run = WorldRun(name, tuple(argv), ranks, caller, tuple(sorted((files or {}).items())),
-                   tuple(sorted((env or {}).items())))
+                   tuple(sorted((env or {}).items())), for_mpi)
     if name in _RUNS and _RUNS[name] != run:
         raise ValueError(f"world run {name!r} declared twice, differently")
     if not 1 <= ranks <= 4:
@@ -124,12 +127,13 @@ class World:
 
 
 def needed(items) -> dict[str, WorldRun]:
-    """The declared runs of the modules whose selected tests use the ``world`` fixture, in the
-    order they were declared (a resume follows its run)."""
-    modules = {item.module.__name__ for item in items
-               if "world" in getattr(item, "fixturenames", ())
-               and getattr(item, "module", None) is not None}
-    return {n: r for n, r in _RUNS.items() if r.module in modules}  # in declaration order
+    """The declared runs of the modules whose selected tests use the ``world`` fixture (those
+    declared ``for_mpi`` where such a test is marked ``mpi``, the others where one is not), in
+    the order they were declared (a resume follows its run)."""
+    wanted = {(item.module.__name__, item.get_closest_marker("mpi") is not None)
+              for item in items if "world" in getattr(item, "fixturenames", ())
+              and getattr(item, "module", None) is not None}
+    return {n: r for n, r in _RUNS.items() if (r.module, r.for_mpi) in wanted}
 
 
 def _launch(runs: dict[str, WorldRun], folder: Path) -> None:
