@@ -31,6 +31,7 @@ from mpifl.store.checkpoint import Checkpoint
 from mpifl.store.results import MetricHistory, MetricSet
 from tests.helpers import write_fmnist_job
 from tests.test_resume import contents, run
+from tests.world import world_run
 
 JOB = """
 [run]
@@ -85,83 +86,102 @@ def assert_same_run(got: dict, want: dict, tol: float = 1e-4, same_ranks: bool =
             np.testing.assert_allclose(got[key], want[key], rtol=tol, atol=close, err_msg=key)
 
 
-def one_rank_server(job: Path, algorithm: str, ranks: int = 3) -> dict:
-    out = job.parent / f"oracle-{algorithm}-{ranks}.h5"
-    if not out.exists():
-        run(ranks, "run", str(job), "--out", str(out), "--set", f"server.algorithm={algorithm}")
-    return contents(out)
+def _run(name: str, ranks: int, *sets: str, for_mpi: bool = False, argv: tuple = ()):
+    """A world run of the job (tests/world.py) with ``--set`` words ``sets``."""
+    words = [x for s in sets for x in ("--set", s)]
+    argv = argv or ("run", "{dir}/sharded.toml", "--out", f"{{dir}}/{name}.h5")
+    return world_run(name, [*argv, "--no-progress", *words], ranks=ranks,
+                     files={"sharded.toml": JOB}, for_mpi=for_mpi)
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("algorithm,ranks,shards", [
-    ("fedfv", 3, 3),        # every rank a shard; FedFV's history ring is sharded state
-    ("fedlf", 4, 2),        # rank 3 trains only; FedLF's layer-wise QP from allsummed Grams
-    ("qfedavg", 3, 2),
-])
-def test_sharded_run_equals_the_one_rank_server(job, algorithm, ranks, shards):
-    out = job.parent / f"{algorithm}-p{shards}.h5"
-    run(ranks, "run", str(job), "--out", str(out), "--set", f"server.algorithm={algorithm}",
-        "--set", f"server.shards={shards}")
-    assert_same_run(contents(out), one_rank_server(job, algorithm, ranks))
+SHARDED = [("fedfv", 3, 3),     # every rank a shard; FedFV's history ring is sharded state
+           ("fedlf", 4, 2),     # rank 3 trains only; FedLF's layer-wise QP from allsummed Grams
+           ("qfedavg", 3, 2)]
+#: the unsharded server (rank 0 aggregates), the oracle of each sharded run
+ORACLE = {(a, r): _run(f"oracle-{a}-{r}", r, f"server.algorithm={a}") for a, r, _ in SHARDED}
+RUNS = {a: _run(f"{a}-p{p}", r, f"server.algorithm={a}", f"server.shards={p}")
+        for a, r, p in SHARDED}
+FULL_P3 = _run("full-p3", 3, "server.shards=3")
+#: a run stopped after 8 rounds (a multiple of eval_every: the same evaluations), resumed on
+#: (ranks, shards): made once for each resume, as the same run copied would be
+RESUMED = {}
+for _ranks, _shards in ((3, 3), (4, 2), (2, 1), (1, 1)):
+    _name = f"part-{_ranks}-{_shards}"
+    _run(_name, 3, "server.shards=3", "run.rounds=8")
+    RESUMED[_ranks, _shards] = _run(f"{_name}-resumed", _ranks, f"server.shards={_shards}",
+                                    argv=("run", "{dir}/sharded.toml", "--out",
+                                          f"{{dir}}/{_name}.h5", "--resume"))
+UNSHARDED_PART = _run("from-unsharded", 3, "run.rounds=8")
+UNSHARDED_RESUMED = _run("from-unsharded-resumed", 4, "server.shards=4",
+                         argv=("run", "{dir}/sharded.toml", "--out", "{dir}/from-unsharded.h5",
+                               "--resume"))
+#: the starts of the damaged-checkpoint tests (marked mpi: they change files, then resume)
+NINE_P3 = _run("nine-p3", 3, "server.shards=3", "run.rounds=9", for_mpi=True)
+SIX_P3 = _run("six-p3", 3, "server.shards=3", "run.rounds=6", for_mpi=True)
+FULL_P3_MPI = _run("full-p3-mpi", 3, "server.shards=3", for_mpi=True)
+#: a finished run, then runs that may not replace it: (extra sets, ranks, message)
+REFUSED = [(["server.algorithm=ditto"], 3, "ditto cannot run on a sharded server"),
+           (["server.meta=true"], 3, "FedMeta's meta step"),
+           ([], 2, "server.shards = 3 needs at least 3 MPI ranks"),
+           ([], 1, "server.shards = 3 needs at least 3 MPI ranks")]
+KEPT = _run("kept", 1, "run.rounds=3")
+KEPT_TWIN = _run("kept-twin", 1, "run.rounds=3")  # the same run, never asked to be replaced
+REFUSALS = [_run(f"kept-refused-{i}", ranks, "server.shards=3", *sets,
+                 argv=("run", "{dir}/sharded.toml", "--out", "{dir}/kept.h5", "--overwrite"))
+            for i, (sets, ranks, _) in enumerate(REFUSED)]
+
+
+def copied(world, run, dest: Path) -> Path:
+    """A world run's results file and checkpoints, copied into ``dest`` to be changed."""
+    src = world.file(run)
+    shutil.copy2(src, dest / src.name)
+    shutil.copytree(checkpoint.folder_for(src), checkpoint.folder_for(dest / src.name))
+    return dest / src.name
+
+
+@pytest.mark.parametrize("algorithm,ranks,shards", SHARDED)
+def test_sharded_run_equals_the_one_rank_server(world, algorithm, ranks, shards):
+    out = world.file(RUNS[algorithm])
+    assert_same_run(contents(out), contents(world.file(ORACLE[algorithm, ranks])))
     names = sorted(p.name for p in checkpoint.folder_for(out).iterdir())
     assert names == [f"round-0000{r}.{s}h5" for r in ("18", "20")
                      for s in ["", *(f"shard-{j}." for j in range(shards))]]
 
 
-@pytest.mark.mpi
-def test_resume_with_the_same_p_is_exact_and_with_another_p_close(job):
-    full = job.parent / "full-p3.h5"
-    run(3, "run", str(job), "--out", str(full), "--set", "server.shards=3")
-    first = job.parent / "part-p3.h5"  # one stopped run, copied for each resume below
-    run(3, "run", str(job), "--out", str(first), "--set", "server.shards=3",
-        "--set", "run.rounds=8")  # a multiple of eval_every: the same evaluations
-    for ranks, shards in ((3, 3), (4, 2), (2, 1), (1, 1)):
-        part = job.parent / f"part-{ranks}-{shards}.h5"
-        shutil.copy2(first, part)
-        shutil.copytree(checkpoint.folder_for(first), checkpoint.folder_for(part))
-        run(ranks, "run", str(job), "--out", str(part), "--resume",
-            "--set", f"server.shards={shards}")
-        got = contents(part)
-        if shards == 3:  # same P: the same additions in the same order
-            want = contents(full)
-            for key in want:
-                np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        else:  # the history ring re-cut into other blocks, or joined for one rank
-            assert_same_run(got, one_rank_server(job, "fedfv"), same_ranks=False)
+@pytest.mark.parametrize("ranks,shards", sorted(RESUMED))
+def test_resume_with_the_same_p_is_exact_and_with_another_p_close(world, ranks, shards):
+    got = contents(world.file(RESUMED[ranks, shards], f"part-{ranks}-{shards}.h5"))
+    if shards == 3:  # same P: the same additions in the same order
+        want = contents(world.file(FULL_P3))
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    else:  # the history ring re-cut into other blocks, or joined for one rank
+        assert_same_run(got, contents(world.file(ORACLE["fedfv", 3])), same_ranks=False)
+
+
+def test_a_one_rank_checkpoint_resumes_sharded(world):
+    got = contents(world.file(UNSHARDED_RESUMED, "from-unsharded.h5"))
+    assert world.status(UNSHARDED_PART) == 0
+    assert_same_run(got, contents(world.file(ORACLE["fedfv", 3])), same_ranks=False)
 
 
 @pytest.mark.mpi
-def test_a_one_rank_checkpoint_resumes_sharded(job):
-    part = job.parent / "from-unsharded.h5"
-    run(3, "run", str(job), "--out", str(part), "--set", "run.rounds=8")
-    run(4, "run", str(job), "--out", str(part), "--resume", "--set", "server.shards=4")
-    assert_same_run(contents(part), one_rank_server(job, "fedfv"), same_ranks=False)
-
-
-@pytest.mark.mpi
-def test_a_missing_shard_file_falls_back_to_the_previous_checkpoint(job):
-    part = job.parent / "missing-shard.h5"
-    run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
-        "--set", "run.rounds=9")
+def test_a_missing_shard_file_falls_back_to_the_previous_checkpoint(job, world, tmp_path):
+    part = copied(world, NINE_P3, tmp_path)
     folder = checkpoint.folder_for(part)
     checkpoint.shard_path(folder, 9, 2).unlink()
     proc = run(3, "run", str(job), "--out", str(part), "--resume", "--set", "server.shards=3")
     assert "shard file of the checkpoint is missing" in proc.stderr
     assert "resuming after round 6" in proc.stderr
-    full = job.parent / "full-p3.h5"
-    if not full.exists():
-        run(3, "run", str(job), "--out", str(full), "--set", "server.shards=3")
-    want = contents(full)
+    want = contents(world.file(FULL_P3_MPI))
     got = contents(part)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
 @pytest.mark.mpi
-def test_a_damaged_shard_file_ends_every_rank_with_one_line(job):
-    part = job.parent / "damaged-shard.h5"
-    run(3, "run", str(job), "--out", str(part), "--set", "server.shards=3",
-        "--set", "run.rounds=6")
+def test_a_damaged_shard_file_ends_every_rank_with_one_line(job, world, tmp_path):
+    part = copied(world, SIX_P3, tmp_path)
     shard = checkpoint.shard_path(checkpoint.folder_for(part), 6, 1)
     with h5py.File(shard, "r") as f:
         offset = f["aggregator/history_updates"].id.get_offset()
@@ -176,24 +196,22 @@ def test_a_damaged_shard_file_ends_every_rank_with_one_line(job):
     assert part.read_bytes() == before
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("sets,ranks,message", [
-    (["server.algorithm=ditto"], 3, "ditto cannot run on a sharded server"),
-    (["server.meta=true"], 3, "FedMeta's meta step"),
-    ([], 2, "server.shards = 3 needs at least 3 MPI ranks"),
-    ([], 1, "server.shards = 3 needs at least 3 MPI ranks"),
-])
-def test_setups_that_cannot_shard_are_refused_before_anything_is_replaced(
-        job, sets, ranks, message):
-    out = job.parent / "kept.h5"
-    if not out.exists():
-        run(1, "run", str(job), "--out", str(out), "--set", "run.rounds=3")
-    before = out.read_bytes(), sorted(checkpoint.folder_for(out).iterdir())
-    args = [x for s in ["server.shards=3", *sets] for x in ("--set", s)]
-    proc = run(ranks, "run", str(job), "--out", str(out), "--overwrite", *args, code=2)
-    lines = [l for l in proc.stderr.splitlines() if "error" in l]
-    assert lines and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
-    assert (out.read_bytes(), sorted(checkpoint.folder_for(out).iterdir())) == before
+@pytest.mark.parametrize("case", range(len(REFUSED)))
+def test_setups_that_cannot_shard_are_refused_before_anything_is_replaced(world, case):
+    """Each refused --overwrite of the finished run ``kept`` exits 2 with one line, and
+    ``kept`` is left as its twin is (a run nobody asked to replace)."""
+    message = REFUSED[case][2]
+    assert world.status(REFUSALS[case]) == 2
+    output = world.output(REFUSALS[case])
+    lines = [l for l in output.splitlines() if "error" in l]
+    assert lines and message in lines[0] and "Traceback" not in output, output
+    kept, twin = world.file(KEPT), world.file(KEPT_TWIN)
+    got, want = contents(kept), contents(twin)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    listing = [sorted(p.name for p in checkpoint.folder_for(f).iterdir()) for f in (kept, twin)]
+    assert listing[0] == listing[1]
 
 
 # ---- the checkpoint files, without MPI ---------------------------------------------------------
