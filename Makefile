@@ -30,8 +30,10 @@ demo: install data
 	mpiexec -n $(RANKS) python -m mpifl run jobs/fmnist-fedfv.toml --out runs/main.h5 --overwrite
 	mpifl report runs/main.h5
 
-# The fast check (no install, no MPI, under 5 minutes on 2 cores): lint, types, unit tests.
-check: lint types unit
+# The fast check (no install, no MPI, under 5 minutes on 2 cores): lint, types, unit tests,
+# each tier's wall time printed against its budget (tools/tiers.py).
+check:
+	$(PYTHON) tools/tiers.py check
 
 lint:
 	$(PYTHON) -m ruff check mpifl tests
@@ -40,19 +42,20 @@ types:
 	$(PYTHON) -m mypy
 
 # in-process tests on every core (pytest-xdist; --dist loadfile keeps a module on one worker, so
-# its module fixtures are built once); tests marked mpi, slurm or slow are left out
+# its module fixtures are built once); tests marked mpi, slurm, slow or world are left out
 unit:
-	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm and not slow"
+	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm and not slow and not world and not replay"
 
 # the documentation site, warnings as errors (open build/site/index.html)
 docs:
 	$(PYTHON) -m mkdocs build --strict -d build/site
 
-# The full suite (what CI runs): the check, the site, every in-process test on every core, then
-# the tests that start mpiexec or use the SLURM cluster one at a time (their ranks take the cores).
-test: install data slurm-deps lint types docs
-	$(PYTHON) -m pytest -q -n auto --dist loadfile -m "not mpi and not slurm" --durations=15
-	$(PYTHON) -m pytest -q -m "mpi or slurm" --durations=40
+# The full suite (what CI runs; at most 20 minutes on 2 cores): lint, types and the site, every
+# in-process test on every core while one launched MPI world makes the runs they read
+# (tests/world.py), then the tests that need real ranks or the SLURM cluster one at a time (their
+# ranks take the cores). tools/tiers.py prints each tier's wall time against its budget.
+test: install data slurm-deps
+	$(PYTHON) tools/tiers.py test
 
 bench: install
 	mpifl bench aggregation --algorithms fedfv --m 10,60,200 --d 199210

@@ -1,6 +1,7 @@
 """Long cluster runs as their users meet them: checkpoints by default (by wall time),
 ``mpifl report`` telling an interrupted run from a live one, progress lines in batch logs — all
-under real ``mpiexec``, real SIGKILLs and real files."""
+on real MPI ranks (kills under real ``mpiexec``; runs only read come from the shared MPI world,
+tests/world.py), real SIGKILLs and real files."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from mpifl.runtime.progress import ProgressLog
 from tests.helpers import FMNIST, kill_tree
+from tests.world import world_run
 
 JOB = """
 [run]
@@ -37,6 +39,17 @@ batch_size = 0
 algorithm = "fedavg"
 clients_per_round = 4
 """
+
+
+#: the uninterrupted run of the default-settings kill test
+DEFAULTS = world_run("comfort-defaults", ["run", "{dir}/comfort.toml", "--out",
+                                          "{dir}/comfort-defaults.h5", "--no-progress"],
+                     files={"comfort.toml": JOB.format(extra="")}, for_mpi=True)
+#: checkpoints and progress lines by wall time alone (progress lines on: no --no-progress)
+TIMED = world_run("comfort-timed", ["run", "{dir}/comfort-timed.toml", "--out",
+                                    "{dir}/comfort-timed.h5"],
+                  files={"comfort-timed.toml": JOB.format(
+                      extra="checkpoint_minutes = 0.0001\nprogress_every_s = 0.0001")})
 
 
 def _job(tmp_path, extra=""):
@@ -79,13 +92,12 @@ def _rounds_written(path) -> int:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path):
+def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path, world):
     from mpifl.store.checkpoint import folder_for
     from tests.test_resume import command, contents, run
 
     job = _job(tmp_path)  # no checkpoint_every: the defaults alone
-    want = tmp_path / "want.h5"
-    run(3, "run", str(job), "--out", str(want))
+    want = world.file(DEFAULTS)
     out = tmp_path / "killed.h5"
     _kill_when(command(3, "run", str(job), "--out", str(out)),
                lambda: any(folder_for(out).glob("round-*.h5")) and _rounds_written(out) >= 3,
@@ -115,16 +127,11 @@ def test_checkpoint_every_0_turns_periodic_checkpoints_off_and_report_says_not_r
     assert "interrupted at round" in _report(out) and "(not resumable)" in _report(out)
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_wall_time_checkpoints_and_progress_lines_under_mpiexec(tmp_path):
-    from tests.test_resume import run
-
-    job = _job(tmp_path, "checkpoint_minutes = 0.0001\nprogress_every_s = 0.0001")
-    out = tmp_path / "timed.h5"
-    proc = run(3, "run", str(job), "--out", str(out))
+def test_wall_time_checkpoints_and_progress_lines_on_3_ranks(world):
+    out = world.file(TIMED)
     # the lines after a round ("round r/R (p%)"), not those inside a phase ("round r/R, training")
-    lines = [x for x in proc.stderr.splitlines() if re.search(r"progress: round \d+/\d+ \(", x)]
+    lines = [x for x in world.output(TIMED).splitlines()
+             if re.search(r"progress: round \d+/\d+ \(", x)]
     assert len(lines) >= 25 and "progress: round 30/30 (100%)" in lines[-1]
     assert all("s/round, ETA" in x and "GB/rank" in x for x in lines)
     assert any("mean acc" in x for x in lines[10:])  # the last evaluation's metrics ride along
