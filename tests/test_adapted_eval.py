@@ -1,7 +1,8 @@
 """Evaluation after local adaptation (``run.adapt_epochs``): each client's test
 accuracy after k epochs of plain local SGD from the global model, against a per-client
-torch.optim.SGD oracle; the option changes no trained model; 1 process vs mpiexec -n 3;
-stored, reported and loaded beside the global model's accuracy."""
+torch.optim.SGD oracle; the option changes no trained model; 1 rank vs 3 ranks (runs of the
+shared MPI world, tests/world.py); stored, reported and loaded beside the global model's
+accuracy."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from mpifl.experiment.plan import make_plan
 from mpifl.experiment.config import RESUME_MUTABLE, config_diff, load_config
 from mpifl.models import build_model
 from mpifl.store.results import read_results
-from tests.helpers import small_fmnist_job, write_fmnist_job
+from tests.helpers import small_fmnist_job
+from tests.world import world_run
 
 ADAPT = 2  # local epochs of the adaptation in the real runs
 
@@ -130,28 +132,35 @@ def test_not_changeable_on_resume():
 # --------------------------------------------------------------------------- real runs
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    text = small_fmnist_job("adapt", seed=3, rounds=4, eval_every=2, checkpoint_every=0,
-                            partition='partition = "shards"', algorithm="fedfv")
-    text = text.replace("batch_size = 0", "batch_size = 20").replace("lr = 0.1", "lr = 0.05")
-    return write_fmnist_job(tmp_path_factory, "adapt.toml", text)
+JOB = small_fmnist_job("adapt", seed=3, rounds=4, eval_every=2, checkpoint_every=0,
+                       partition='partition = "shards"', algorithm="fedfv").replace(
+    "batch_size = 0", "batch_size = 20").replace("lr = 0.1", "lr = 0.05")
+ON = f"run.adapt_epochs={ADAPT}"
+
+
+def _run(name: str, *words: str, ranks: int = 1, out: str = ""):
+    """A world run (tests/world.py) of the job, into ``{dir}/<out or name>.h5``."""
+    return world_run(name, ["run", "{dir}/adapt.toml", "--out", f"{{dir}}/{out or name}.h5",
+                            "--no-progress", *words], ranks=ranks, files={"adapt.toml": JOB})
+
+
+# the job with the option off (1 rank) and on (1 and 3 ranks); the report labels runs by stem
+OFF = _run("adapt-off")
+ON1 = _run("adapt-on1", "--set", ON)
+ON3 = _run("adapt-on3", "--set", ON, ranks=3)
+# stopped after 2 of 4 rounds, a resume that changes run.adapt_epochs, then the right resume
+CKPT = ("--set", "run.checkpoint_every=2")
+HALF = _run("adapt-half", "--set", ON, "--set", "run.rounds=2", *CKPT)
+REFUSED = _run("adapt-half-refused", "--resume", "--set", "run.adapt_epochs=1", *CKPT,
+               out="adapt-half")
+RESUMED = _run("adapt-half-resumed", "--resume", "--set", ON, *CKPT, out="adapt-half")
 
 
 @pytest.fixture(scope="module")
-def runs(job, tmp_path_factory):
-    """The job with the option off (1 process) and on (1 process, mpiexec -n 3)."""
-    from tests.test_resume import run
-
-    folder = tmp_path_factory.mktemp("adapt")
-    out = {"off": folder / "off.h5", "on1": folder / "on1.h5", "on3": folder / "on3.h5"}
-    run(1, "run", str(job), "--out", str(out["off"]))
-    run(1, "run", str(job), "--out", str(out["on1"]), "--set", f"run.adapt_epochs={ADAPT}")
-    run(3, "run", str(job), "--out", str(out["on3"]), "--set", f"run.adapt_epochs={ADAPT}")
-    return out
+def runs(world):
+    return {"off": world.file(OFF), "on1": world.file(ON1), "on3": world.file(ON3)}
 
 
-@pytest.mark.mpi
 def test_option_off_writes_nothing_and_on_changes_no_trained_model(runs):
     from tests.test_resume import contents
 
@@ -166,10 +175,9 @@ def test_option_off_writes_nothing_and_on_changes_no_trained_model(runs):
     assert "eval/adapted/client_accuracy" in adapted and "eval/adapted/worst5" in adapted
 
 
-@pytest.mark.mpi
-def test_stored_accuracies_equal_the_per_client_oracle(runs, job):
+def test_stored_accuracies_equal_the_per_client_oracle(runs, world):
     res = read_results(runs["on1"])
-    ev, cfg = res["eval"], load_config(str(job), [f"run.adapt_epochs={ADAPT}"])
+    ev, cfg = res["eval"], load_config(str(world.path("adapt.toml")), [ON])
     k = cfg.data.num_clients
     assert ev["adapted/client_accuracy"].shape == ev["adapted/client_loss"].shape == (2, k)
     np.testing.assert_allclose(ev["adapted/mean"], ev["adapted/client_accuracy"].mean(axis=1),
@@ -194,7 +202,6 @@ def test_stored_accuracies_equal_the_per_client_oracle(runs, job):
     assert ev["adapted/mean"][-1] > ev["mean"][-1]
 
 
-@pytest.mark.mpi
 def test_one_and_three_ranks_agree(runs):
     one, three = read_results(runs["on1"])["eval"], read_results(runs["on3"])["eval"]
     np.testing.assert_array_equal(three["adapted/client_accuracy"], one["adapted/client_accuracy"])
@@ -204,7 +211,6 @@ def test_one_and_three_ranks_agree(runs):
         np.testing.assert_array_equal(three[key], one[key])
 
 
-@pytest.mark.mpi
 def test_report_and_load_show_the_adapted_metrics(runs, capsys):
     from mpifl import load
     from mpifl.report.tables import summarise
@@ -219,28 +225,21 @@ def test_report_and_load_show_the_adapted_metrics(runs, capsys):
     assert "adapted mean acc (%)" in text and "adapted worst 5% (%)" in text
     ds = load([runs["on1"], runs["off"]])
     assert ds["adapted_accuracy"].dims == ("run", "eval_round", "client")
-    np.testing.assert_array_equal(ds["adapted_accuracy"].sel(run="on1").values,
+    np.testing.assert_array_equal(ds["adapted_accuracy"].sel(run="adapt-on1").values,
                                   ev["adapted/client_accuracy"])
-    assert np.isnan(ds["adapted_mean"].sel(run="off").values).all()
+    assert np.isnan(ds["adapted_mean"].sel(run="adapt-off").values).all()
 
 
-@pytest.mark.mpi
-def test_resume_keeps_the_adapted_history(runs, job, tmp_path):
+def test_resume_keeps_the_adapted_history(runs, world):
     """Stop after 2 of 4 rounds (checkpoint), extend to 4 with --resume: the same results as the
     run left alone (the checkpoint's history holds /eval/adapted), and a changed
     run.adapt_epochs is refused."""
-    from tests.test_resume import contents, run
+    from tests.test_resume import contents
 
-    out = tmp_path / "r.h5"
-    on = f"run.adapt_epochs={ADAPT}"
-    run(1, "run", str(job), "--out", str(out), "--set", on, "--set", "run.rounds=2",
-        "--set", "run.checkpoint_every=2")
-    bad = run(1, "run", str(job), "--out", str(out), "--resume", "--set", "run.adapt_epochs=1",
-              "--set", "run.checkpoint_every=2", code=2)
-    assert "run.adapt_epochs: 2 -> 1" in bad.stderr
-    run(1, "run", str(job), "--out", str(out), "--resume", "--set", on,
-        "--set", "run.checkpoint_every=2")
-    got, want = contents(out), contents(runs["on1"])
+    assert world.status(HALF) == 0
+    assert world.status(REFUSED) == 2
+    assert "run.adapt_epochs: 2 -> 1" in world.output(REFUSED)
+    got, want = contents(world.file(RESUMED, "adapt-half.h5")), contents(runs["on1"])
     assert got.keys() == want.keys() and "eval/adapted/client_accuracy" in got
     for key in want:
         assert np.array_equal(got[key], want[key], equal_nan=True), key
