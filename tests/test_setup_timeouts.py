@@ -19,6 +19,7 @@ from mpifl.experiment.config import MIN_SETUP_BOUND_S, RunConfig, load_config
 from mpifl.runtime.init_watch import arrived, mark_arrival, message
 from tests.helpers import kill_tree, mpiexec, small_fmnist_job, write_fmnist_job
 from tests.test_setup_agreement import finish, job, launch, mpifl_lines  # noqa: F401 (fixture)
+from tests.world import world_run
 
 # --------------------------------------------------------------------------- the bounds
 
@@ -92,19 +93,22 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.mark.mpi
-def test_an_unreachable_init_bound_is_refused_on_every_rank(fmnist_job, tmp_path):
-    short = tmp_path / "short.toml"
-    short.write_text(fmnist_job.read_text().replace("[run]", "[run]\ninit_timeout_s = 0.001"))
-    out = tmp_path / "run.h5"
-    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(short),
-                           "--out", str(out), "--no-progress"], capture_output=True, text=True,
-                          env=env(), timeout=180)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert mpifl_lines(proc.stderr) == [
+SHORT_INIT = world_run("timeouts-short-init", [
+    "run", "{dir}/timeouts-short.toml", "--out", "{dir}/timeouts-short-init.h5", "--no-progress"],
+    files={"timeouts-short.toml": small_fmnist_job(
+        "timeouts", seed=1, rounds=2, eval_every=1, checkpoint_every=0,
+        partition='partition = "shards"', algorithm="fedavg").replace(
+            "[run]", "[run]\ninit_timeout_s = 0.001")})
+
+
+def test_an_unreachable_init_bound_is_refused_on_every_rank(world):
+    """3 ranks (the shared world, tests/world.py): refused on every rank, one line, nothing
+    written."""
+    assert world.status(SHORT_INIT) == 2, world.output(SHORT_INIT)[-3000:]
+    assert mpifl_lines(world.output(SHORT_INIT)) == [
         "mpifl: error: run.init_timeout_s: must be 0 (no bound) or at least 5 s: ranks take "
         "seconds to start, so a shorter bound ends every launch (got 0.001)"]
-    assert not out.exists()
+    assert not world.path("timeouts-short-init.h5").exists()
 
 
 @pytest.mark.mpi
