@@ -4,22 +4,21 @@ The oracle is the full evaluation: a run with the option trains the same model (
 changes nothing of training), and its tested clients' values equal the full run's at those
 clients (bit for bit in one process; under mpiexec the losses up to float32 rounding, as
 mpifl's full evaluation on other blocks of clients); the others are NaN. Any number of ranks
-tests the same clients, and a resumed run draws the same ones.
+tests the same clients, and a resumed run draws the same ones. The runs come from the shared MPI
+world (tests/world.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from mpifl.cli import main
 from mpifl.runtime.server import eval_sample
-from tests.helpers import mpiexec
+from tests.world import world_run
 
 JOB = """
 [run]
@@ -48,19 +47,28 @@ PER_CLIENT = ("client_accuracy", "client_loss", "personal_accuracy", "personal_l
               "adapted/client_accuracy", "adapted/client_loss")
 
 
-def run(tmp: Path, out: str, *sets: str, ranks: int = 1, command: str = "run",
-        check: bool = True) -> subprocess.CompletedProcess:
-    job = tmp / "job.toml"
-    job.write_text(JOB)
-    launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
-    target = [str(tmp / out)] if command == "resume" else [str(job), "--out", str(tmp / out)]
-    args = [a for s in sets for a in ("--set", s)] if command == "run" else list(sets)
-    proc = subprocess.run([*launch, sys.executable, "-m", "mpifl", command, *target,
-                           "--no-progress", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def run(name: str, *sets: str, ranks: int = 1, resume: bool = False):
+    """A world run (tests/world.py) of the job into ``{dir}/<name>.h5``, or ``mpifl resume``
+    of ``{dir}/<name>.h5`` (``sets`` are then its words)."""
+    out = f"{{dir}}/{name}.h5"
+    if resume:
+        return world_run(f"{name}-resumed", ["resume", out, "--no-progress", *sets], ranks=ranks)
+    return world_run(name, ["run", "{dir}/sampled.toml", "--out", out, "--no-progress",
+                            *[a for s in sets for a in ("--set", s)]], ranks=ranks,
+                     files={"sampled.toml": JOB})
+
+
+FULL = run("sampled-full")
+SUB = run("sampled-sub", f"run.eval_clients={N}")
+SUB3 = run("sampled-sub3", f"run.eval_clients={N}", ranks=3)
+FULL3 = run("sampled-full3", ranks=3)
+HALF = run("sampled-half", f"run.eval_clients={N}", "run.rounds=2")
+RESUMED = run("sampled-half", "--rounds", "4", resume=True)
+SETS = [f"run.eval_clients={N}", "server.algorithm=ditto", "run.adapt_epochs=1", "run.rounds=2"]
+DITTO = {"one": run("sampled-ditto-one", *SETS),
+         "three": run("sampled-ditto-three", *SETS, ranks=3),
+         "all": run("sampled-ditto-all", *SETS[1:])}
+BIG = run("sampled-big", "run.eval_clients=31")
 
 
 def read(path: Path) -> dict[str, np.ndarray]:
@@ -81,22 +89,16 @@ def test_the_subset_is_keyed_sorted_and_distinct():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("sampled")
-    run(tmp, "full.h5")
-    run(tmp, "sub.h5", f"run.eval_clients={N}")
-    run(tmp, "sub3.h5", f"run.eval_clients={N}", ranks=3)
-    run(tmp, "full3.h5", ranks=3)
-    return tmp
+def runs(world) -> dict[str, Path]:
+    return {r.name: world.file(r) for r in (FULL, SUB, SUB3, FULL3)}
 
 
 def same_clients(a: np.ndarray, b: np.ndarray) -> bool:
     return np.array_equal(np.isnan(a), np.isnan(b))
 
 
-@pytest.mark.mpi
 def test_tested_clients_equal_the_full_evaluation_and_the_rest_are_nan(runs):
-    full, sub = read(runs / "full.h5"), read(runs / "sub.h5")
+    full, sub = read(runs["sampled-full"]), read(runs["sampled-sub"])
     assert np.array_equal(full["model"], sub["model"])  # the option changes no trained model
     for r, row in enumerate(sub["client_accuracy"]):
         ids = eval_sample(3, r + 1, 30, N)
@@ -107,9 +109,8 @@ def test_tested_clients_equal_the_full_evaluation_and_the_rest_are_nan(runs):
     assert not np.array_equal(sub["mean"], full["mean"])  # an estimate, not the full figure
 
 
-@pytest.mark.mpi
 def test_mpi_ranks_evaluate_the_same_clients_as_one_process_and_as_the_full_evaluation(runs):
-    one, three, full3 = (read(runs / f) for f in ("sub.h5", "sub3.h5", "full3.h5"))
+    one, three, full3 = (read(runs[f"sampled-{f}"]) for f in ("sub", "sub3", "full3"))
     assert same_clients(one["client_accuracy"], three["client_accuracy"])
     assert np.array_equal(three["model"], full3["model"])
     for r, row in enumerate(three["client_accuracy"]):
@@ -119,32 +120,22 @@ def test_mpi_ranks_evaluate_the_same_clients_as_one_process_and_as_the_full_eval
                                    rtol=1e-6)
 
 
-@pytest.mark.mpi
-def test_the_report_says_the_metrics_are_estimates(runs):
-    out = subprocess.run([sys.executable, "-m", "mpifl", "report", str(runs / "sub.h5")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert f"each evaluation tested {N} of 30 clients" in out.stdout
-    assert "client 0 (%)" not in out.stdout  # no per-client column of mostly untested clients
+def test_the_report_says_the_metrics_are_estimates(runs, capsys):
+    assert main(["report", str(runs["sampled-sub"])]) == 0
+    out = capsys.readouterr().out
+    assert f"each evaluation tested {N} of 30 clients" in out
+    assert "client 0 (%)" not in out  # no per-client column of mostly untested clients
 
 
-@pytest.mark.mpi
-def test_a_resumed_run_draws_the_same_clients(tmp_path, runs):
-    run(tmp_path, "resumed.h5", f"run.eval_clients={N}", "run.rounds=2")
-    run(tmp_path, "resumed.h5", "--rounds", "4", command="resume")
-    resumed, straight = read(tmp_path / "resumed.h5"), read(runs / "sub.h5")
+def test_a_resumed_run_draws_the_same_clients(world, runs):
+    assert world.status(HALF) == 0
+    resumed, straight = read(world.file(RESUMED, "sampled-half.h5")), read(runs["sampled-sub"])
     for name in straight:
         assert np.array_equal(resumed[name], straight[name], equal_nan=True), name
 
 
-@pytest.mark.mpi
-def test_personal_and_adapted_evaluations_are_sampled_alike_on_every_rank(tmp_path):
-    sets = [f"run.eval_clients={N}", "server.algorithm=ditto", "run.adapt_epochs=1",
-            "run.rounds=2"]
-    run(tmp_path, "one.h5", *sets)
-    run(tmp_path, "three.h5", *sets, ranks=3)
-    run(tmp_path, "all.h5", *sets[1:])
-    one, three, full = (read(tmp_path / f) for f in ("one.h5", "three.h5", "all.h5"))
+def test_personal_and_adapted_evaluations_are_sampled_alike_on_every_rank(world):
+    one, three, full = (read(world.file(DITTO[f])) for f in ("one", "three", "all"))
     for name in ("personal_accuracy", "adapted/client_accuracy", "adapted/client_loss"):
         assert same_clients(one[name], three[name]), name
         for r, row in enumerate(one[name]):
@@ -156,8 +147,8 @@ def test_personal_and_adapted_evaluations_are_sampled_alike_on_every_rank(tmp_pa
                 assert np.array_equal(row[ids], full[name][r][ids]), name
 
 
-def test_more_clients_than_the_population_is_refused_in_one_line(tmp_path):
-    proc = run(tmp_path, "big.h5", "run.eval_clients=31", check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "run.eval_clients: 31 exceeds data.num_clients (30)" in proc.stderr
-    assert not (tmp_path / "big.h5").exists()
+def test_more_clients_than_the_population_is_refused_in_one_line(world):
+    output = world.output(BIG)
+    assert world.status(BIG) == 2 and "Traceback" not in output
+    assert "run.eval_clients: 31 exceeds data.num_clients (30)" in output
+    assert not world.path("sampled-big.h5").exists()
