@@ -9,24 +9,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import write_fmnist_job
-from tests.test_run import SMALL, run_mpifl
-
-pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
+from tests.test_run import SMALL
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "analysis" / "run_profile.py"
 
+#: a folder laid out like a sweep's, in the shared world (tests/world.py): two real runs
+#: (K = 12, m = 5 on 3 ranks and m = 3 in one) under run-profile/runs/
+JOB = {"run-profile.toml": SMALL.replace("rounds = 4", "rounds = 2")}
+M5 = world_run("run-profile-m5", ["run", "{dir}/run-profile.toml", "--out",
+                                  "{dir}/run-profile/runs/m5.h5", "--no-progress"], files=JOB)
+M3 = world_run("run-profile-m3", ["run", "{dir}/run-profile.toml", "--out",
+                                  "{dir}/run-profile/runs/m3.h5", "--no-progress",
+                                  "--set", "server.clients_per_round=3"], ranks=1, files=JOB)
+
 
 @pytest.fixture(scope="module")
-def sweep_dir(tmp_path_factory) -> Path:
-    """A folder laid out like a sweep's: two real runs (K = 12, m = 5 and m = 3) under runs/."""
-    job = write_fmnist_job(tmp_path_factory, "profile.toml", SMALL.replace("rounds = 4", "rounds = 2"))
-    folder = tmp_path_factory.mktemp("sweep")
-    (folder / "runs").mkdir()
-    run_mpifl(3, job, folder / "runs" / "m5.h5", "--no-progress")
-    run_mpifl(1, job, folder / "runs" / "m3.h5", "--no-progress", "--set", "server.clients_per_round=3")
-    return folder
+def sweep_dir(world) -> Path:
+    world.file(M3, "run-profile/runs/m3.h5")  # both ran to the end
+    return world.file(M5, "run-profile/runs/m5.h5").parents[1]
 
 
 def profile(*args: str) -> subprocess.CompletedProcess:
