@@ -1,7 +1,7 @@
 """Several nodes on one machine (slurm/local-cluster.sh up --nodes 3: each node a network, UTS,
 mount and IPC namespace with its own slurmd), and a hung rank detected by run.peer_timeout_s.
 
-A run across three nodes gives the bits of the same run under mpiexec on one node (same world
+A run across three nodes gives the bits of the same run on 3 ranks of one node (same world
 size and threads); `down` leaves no namespace, link or daemon behind. A node killed mid-run:
 the batch node of a template job (requeued, resumed exactly on the 3 nodes left of 4), and a
 node of a --no-kill sweep job (finished on the 2 nodes left, on 2 ranks). A SIGSTOPped worker
@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from mpifl.core.errors import EXIT_PEER_LOST
+from tests.world import world_run
 from tests.helpers import mpiexec, small_fmnist_job, write_fmnist_job
 from tests.test_slurm import SCRIPT, free_port_pair
 
@@ -46,19 +47,28 @@ def run(*cmd, timeout: float = 180, check: bool = True, **env) -> subprocess.Com
     return proc
 
 
+JOB = small_fmnist_job("nodes", seed=2, rounds=6, eval_every=3, checkpoint_every=3,
+                       partition='partition = "shards"', algorithm="fedfv")
+#: the lost-node runs: long enough that the node is lost mid-run (a round takes ~0.1 s)
+LOST_ROUNDS = ["--set", "run.rounds=45", "--set", "run.peer_timeout_s=5"]
+#: the references: the job on 3 ranks of this machine (the shared MPI world, tests/world.py)
+ONE_NODE = world_run("nodes-one", ["run", "{dir}/nodes.toml", "--out", "{dir}/nodes-one.h5",
+                                   "--no-progress"], files={"nodes.toml": JOB}, for_mpi=True)
+LONG_ONE_NODE = world_run("nodes-long-one", ["run", "{dir}/nodes.toml", "--out",
+                                             "{dir}/nodes-long-one.h5", "--no-progress",
+                                             *LOST_ROUNDS], files={"nodes.toml": JOB},
+                          for_mpi=True)
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
-    return write_fmnist_job(tmp_path_factory, "job.toml", small_fmnist_job(
-        "nodes", seed=2, rounds=6, eval_every=3, checkpoint_every=3,
-        partition='partition = "shards"', algorithm="fedfv"))
+    return write_fmnist_job(tmp_path_factory, "job.toml", JOB)
 
 
 @pytest.fixture(scope="module")
-def one_node(job) -> Path:
-    """The reference: the job on 3 ranks of this machine, under mpiexec."""
-    out = job.parent / "one-node.h5"
-    run(mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", job, "--out", out, "--no-progress")
-    return out
+def one_node(world) -> Path:
+    """The reference: the job on 3 ranks of this machine."""
+    return world.file(ONE_NODE)
 
 
 def our_namespaces() -> list[str]:
@@ -107,17 +117,10 @@ def test_three_nodes_run_like_one_and_leave_nothing_behind(job, one_node, tmp_pa
                 np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
 
 
-#: the lost-node runs: long enough that the node is lost mid-run (a round takes ~0.1 s)
-LOST_ROUNDS = ["--set", "run.rounds=45", "--set", "run.peer_timeout_s=5"]
-
-
 @pytest.fixture(scope="module")
-def long_one_node(job) -> Path:
+def long_one_node(world) -> Path:
     """The lost-node runs' reference: their job on 3 ranks of this machine, uninterrupted."""
-    out = job.parent / "long-one-node.h5"
-    run(mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", job, "--out", out,
-        "--no-progress", *LOST_ROUNDS)
-    return out
+    return world.file(LONG_ONE_NODE)
 
 
 def lose_node(out: Path, env: dict[str, str], node: str | None = None) -> str:

@@ -77,8 +77,8 @@ def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, st
         ranks: 1 to 4.
         files: {file name: text} written into the world's folder before it starts.
         env: environment variables of this run only.
-        for_mpi: read by tests marked ``mpi`` (the reference of a kill-and-resume test), so
-            started in the MPI tier's world rather than the in-process tier's.
+        for_mpi: read by tests marked ``mpi`` or ``slurm`` (the reference of a kill-and-resume
+            test), so started in the real-rank tier's world rather than the in-process tier's.
     """
     caller = inspect.stack()[1].frame.f_globals["__name__"]
     run = WorldRun(name, tuple(argv), ranks, caller, tuple(sorted((files or {}).items())),
@@ -128,9 +128,10 @@ class World:
 
 def needed(items) -> dict[str, WorldRun]:
     """The declared runs of the modules whose selected tests use the ``world`` fixture (those
-    declared ``for_mpi`` where such a test is marked ``mpi``, the others where one is not), in
+    declared ``for_mpi`` where such a test is marked ``mpi`` or ``slurm``, the others where one
+    is not), in
     the order they were declared (a resume follows its run)."""
-    wanted = {(item.module.__name__, item.get_closest_marker("mpi") is not None)
+    wanted = {(item.module.__name__, any(item.get_closest_marker(m) for m in ("mpi", "slurm")))
               for item in items if "world" in getattr(item, "fixturenames", ())
               and getattr(item, "module", None) is not None}
     return {n: r for n, r in _RUNS.items() if (r.module, r.for_mpi) in wanted}
