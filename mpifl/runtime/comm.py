@@ -135,7 +135,10 @@ def launched_rank() -> int:
 
 def launched_size() -> int:
     """The number of ranks the launcher started (mpiexec, srun), from its environment, before
-    MPI_Init; 1 when started without one."""
+    MPI_Init; 1 when started without one; inside :func:`communicator`, that communicator's
+    size."""
+    if _OVERRIDE is not None:
+        return int(_OVERRIDE.Get_size())
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
