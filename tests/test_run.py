@@ -1,11 +1,10 @@
-"""End-to-end runs on real Fashion-MNIST: one process and real MPI ranks (mpiexec), the HDF5
-results, the report, and the user-facing errors of a run (missing data, unwritable output)."""
+"""End-to-end runs on real Fashion-MNIST: one process and real MPI ranks (runs of the shared MPI
+world, tests/world.py), the HDF5 results, the report, and the user-facing errors of a run
+(missing data, unwritable output)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import h5py
@@ -16,7 +15,8 @@ from mpifl.cli import main
 from mpifl.data import load_federated
 from mpifl.runtime.server import select_clients
 from mpifl.store.results import ROUND_COLUMNS
-from tests.helpers import mpiexec, write_fmnist_job
+from tests.helpers import write_fmnist_job
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,28 +51,26 @@ def small_job(tmp_path_factory) -> Path:
     return write_fmnist_job(tmp_path_factory, "small.toml", SMALL)
 
 
-def run_mpifl(ranks: int, job: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mpifl", "run", str(job), "--out", str(out), *extra]
-    if ranks > 1:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def _run(name: str, ranks: int, *sets: str, job: str = "{dir}/run-small.toml"):
+    """A world run (tests/world.py) of ``job`` into ``{dir}/<name>.h5``."""
+    return world_run(name, ["run", job, "--out", f"{{dir}}/{name}.h5", "--no-progress",
+                            *[a for s in sets for a in ("--set", s)]], ranks=ranks,
+                     files={"run-small.toml": SMALL})
+
+
+#: the same small FedFV job on 1, 2 and 3 ranks (the report labels runs by file stem)
+RUNS = {ranks: _run(f"run-n{ranks}", ranks) for ranks in (1, 2, 3)}
+COUNTER = {ranks: _run(f"run-counter{ranks}", ranks, "client.minibatch_order=counter")
+           for ranks in (1, 3)}
+FEDAVG = _run("run-fedavg", 1, "server.algorithm=fedavg", "run.rounds=20",
+              job=str(ROOT / "jobs" / "fedfv-fmnist3.toml"))
 
 
 @pytest.fixture(scope="module")
-def runs(small_job, tmp_path_factory) -> dict[int, Path]:
-    """The same small FedFV job on 1, 2 and 3 ranks."""
-    folder = tmp_path_factory.mktemp("runs")
-    out = {}
-    for ranks in (1, 2, 3):
-        out[ranks] = folder / f"n{ranks}.h5"
-        run_mpifl(ranks, small_job, out[ranks])
-    return out
+def runs(world) -> dict[int, Path]:
+    return {ranks: world.file(run) for ranks, run in RUNS.items()}
 
 
-@pytest.mark.mpi
 def test_results_file_has_the_documented_layout(runs):
     with h5py.File(runs[3], "r") as f:
         assert f.attrs["status"] == "complete" and f.attrs["world_size"] == 3
@@ -102,7 +100,6 @@ def test_results_file_has_the_documented_layout(runs):
         assert f["clients/num_test"].shape == (12,) and f["eval/std"].attrs["unit"].startswith("fraction")
 
 
-@pytest.mark.mpi
 def test_one_two_three_ranks_give_the_same_accuracies(runs):
     acc = {n: h5py.File(p, "r")["eval/client_accuracy"][()] for n, p in runs.items()}
     model = {n: h5py.File(p, "r")["model/global"][()] for n, p in runs.items()}
@@ -112,12 +109,8 @@ def test_one_two_three_ranks_give_the_same_accuracies(runs):
     assert acc[1][-1].mean() > 0.3  # it learned something in 4 rounds (10 classes: chance 0.1)
 
 
-@pytest.mark.mpi
-def test_the_counter_minibatch_order_gives_the_same_run_on_one_and_three_ranks(small_job, runs,
-                                                                              tmp_path):
-    out = {n: tmp_path / f"counter{n}.h5" for n in (1, 3)}
-    for n, path in out.items():
-        run_mpifl(n, small_job, path, "--set", "client.minibatch_order=counter")
+def test_the_counter_minibatch_order_gives_the_same_run_on_one_and_three_ranks(world, runs):
+    out = {n: world.file(run) for n, run in COUNTER.items()}
     files = {n: h5py.File(p, "r") for n, p in {**out, "pcg64": runs[1]}.items()}
     acc = {n: f["eval/client_accuracy"][()] for n, f in files.items()}
     model = {n: f["model/global"][()] for n, f in files.items()}
@@ -128,19 +121,15 @@ def test_the_counter_minibatch_order_gives_the_same_run_on_one_and_three_ranks(s
     assert '"minibatch_order": "counter"' in files[1].attrs["config"]
 
 
-@pytest.mark.mpi
 def test_report_prints_runs_side_by_side(runs, capsys):
     assert main(["report", str(runs[1]), str(runs[3])]) == 0
     out = capsys.readouterr().out
-    assert "n1" in out and "n3" in out and "worst 5% (%)" in out and "fedfv" in out
+    assert "run-n1" in out and "run-n3" in out and "worst 5% (%)" in out and "fedfv" in out
     assert "client 0 (%)" not in out  # K = 12 > 10: no per-client rows
 
 
-@pytest.mark.slow
-def test_fedavg_override_runs_in_one_process(tmp_path):
-    out = tmp_path / "fedavg.h5"
-    run_mpifl(1, ROOT / "jobs" / "fedfv-fmnist3.toml", out,
-              "--set", "server.algorithm=fedavg", "--set", "run.rounds=20", "--no-progress")
+def test_fedavg_override_runs_in_one_process(world):
+    out = world.file(FEDAVG)
     with h5py.File(out, "r") as f:
         assert f.attrs["algorithm"] == "fedavg" and f.attrs["world_size"] == 1
         acc = f["eval/client_accuracy"][()]
@@ -148,12 +137,12 @@ def test_fedavg_override_runs_in_one_process(tmp_path):
     assert main(["report", str(out)]) == 0
 
 
-@pytest.mark.mpi
-def test_existing_output_is_not_replaced_without_overwrite(small_job, runs, capsys):
-    before = runs[1].read_bytes()
-    assert main(["run", str(small_job), "--out", str(runs[1])]) == 2
+def test_existing_output_is_not_replaced_without_overwrite(small_job, runs, tmp_path, capsys):
+    out = Path(shutil.copy2(runs[1], tmp_path))  # a copy: the world's file stays as it ran
+    before = out.read_bytes()
+    assert main(["run", str(small_job), "--out", str(out)]) == 2
     assert "already exists; pass --resume to continue it or --overwrite" in capsys.readouterr().err
-    assert runs[1].read_bytes() == before
+    assert out.read_bytes() == before
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "proc"])
