@@ -1,6 +1,7 @@
 """The round protocol's extras on real ranks: evaluation-only LOSSES requests (FedMDFG's line
 search), per-client statistics rows (FedFa's training accuracy), and the phase columns every
-run records (checkpoint time, peak memory). One process and mpiexec -n 3 must agree."""
+run records (checkpoint time, peak memory). One process and 3 ranks of the shared MPI world
+(tests/world.py) must agree; the waits and hangs run under their own mpiexec."""
 
 from __future__ import annotations
 
@@ -9,30 +10,24 @@ import numpy as np
 import pytest
 
 from mpifl.aggregators import available
-from tests.helpers import small_fmnist_job, write_fmnist_job
-from tests.test_run import run_mpifl
-
-pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
+from tests.helpers import small_fmnist_job
+from tests.world import world_run
 
 JOB = small_fmnist_job("protocol", seed=5, rounds=4, eval_every=2, checkpoint_every=2,
                        partition='partition = "dirichlet"\ndirichlet_alpha = 0.5',
                        algorithm="fedmdfg")
 
 RULES = [r for r in ("fedmdfg", "fedfa") if r in available()]
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    return write_fmnist_job(tmp_path_factory, "protocol.toml", JOB)
+#: each rule on 1 and on 3 ranks
+RUNS = {(rule, n): world_run(f"protocol-{rule}-n{n}", [
+    "run", "{dir}/protocol.toml", "--out", f"{{dir}}/protocol-{rule}-n{n}.h5", "--no-progress",
+    "--set", f"server.algorithm={rule}"], ranks=n, files={"protocol.toml": JOB})
+    for rule in RULES for n in (1, 3)}
 
 
 @pytest.fixture(scope="module", params=RULES)
-def runs(request, job, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    out = {n: folder / f"n{n}.h5" for n in (1, 3)}
-    for n, path in out.items():
-        run_mpifl(n, job, path, "--set", f"server.algorithm={request.param}", "--no-progress")
-    return request.param, out
+def runs(request, world):
+    return request.param, {n: world.file(RUNS[request.param, n]) for n in (1, 3)}
 
 
 def read(path):
@@ -57,6 +52,7 @@ def test_phase_columns_are_recorded(runs):
     # checkpoints after rounds 2 and 4 (checkpoint_every = 2): timed; other rounds: none
     assert np.all(r["rounds/time_checkpoint"][[1, 3]] > 0)
     assert np.all(r["rounds/time_checkpoint"][[0, 2]] == 0)
+    # each rank's peak since its process began (a world rank's earlier runs included): a floor
     assert np.all(r["rounds/peak_rss_server_mb"] > 50) and np.all(r["rounds/peak_rss_worker_mb"] > 50)
     # every round: w to 2 workers, 4 updates back (float32); FedMDFG's line search sends at
     # least one candidate w to both workers on top (a LOSSES request)
@@ -85,6 +81,7 @@ else:
 """
 
 
+@pytest.mark.mpi
 def test_a_waiting_rank_does_not_spin(tmp_path):
     """A worker waiting through rank 0's long phase sleeps (wait_idle) instead of busy-polling
     in a blocking Bcast, which would take CPU time from rank 0 when ranks share cores."""
@@ -144,6 +141,7 @@ except PeerLost as exc:
 """
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("who", ["rank 0", "worker"])
 def test_a_rank_hanging_inside_a_collective_ends_the_job(who, tmp_path):
     """With a peer timeout, a rank that stops between two collectives of a request (so the
