@@ -1,13 +1,11 @@
 """mFairFL's client side (docs/ALGORITHMS.md §4): the Lagrangian local training of LagrangianTrainer
 against direct per-client computations (autograd, a torch.optim.SGD loop), the reported constraint
-values, and end-to-end runs on Adult under mpiexec (ranks, resume)."""
+values, and end-to-end runs on Adult on 3 ranks and 1 process, with a resume, from the shared MPI
+world (tests/world.py)."""
 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -27,7 +25,8 @@ from mpifl.experiment.config import load_config
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
 from mpifl.store.results import MEASURED_COLUMNS
-from tests.helpers import TABULAR_DATA, mpiexec, train
+from tests.helpers import TABULAR_DATA, train
+from tests.world import world_run
 
 ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
@@ -356,14 +355,23 @@ eps = 0.01
 eta_lambda = 5.0
 """
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+#: the runs only read, in the shared MPI world (tests/world.py): 3 ranks, 1 process, and 2
+#: rounds on 3 ranks resumed to 4
+ADULT_JOB = {"mfairfl-adult.toml": JOB}
 
 
-def run(ranks, *args):
-    cmd = [sys.executable, "-m", "mpifl", *args, "--no-progress"]
-    cmd = [mpiexec(), "-n", str(ranks), *cmd] if ranks > 1 else cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _run(name: str, ranks: int, *argv: str):
+    return world_run(name, [*(argv or ("run", "{dir}/mfairfl-adult.toml", "--out",
+                                       f"{{dir}}/{name}.h5")), "--no-progress"],
+                     ranks=ranks, files=ADULT_JOB)
+
+
+REFERENCE = _run("mfairfl-adult-3", 3)
+ONE = _run("mfairfl-adult-1", 1)
+PART = _run("mfairfl-adult-part", 3, "run", "{dir}/mfairfl-adult.toml", "--out",
+            "{dir}/mfairfl-adult-part.h5", "--set", "run.rounds=2")
+RESUMED = _run("mfairfl-adult-resumed", 3, "resume", "{dir}/mfairfl-adult-part.h5",
+               "--rounds", "4")
 
 
 def contents(path: Path) -> dict[str, np.ndarray]:
@@ -380,23 +388,12 @@ def contents(path: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def adult_job(tmp_path_factory) -> Path:
+def reference(world) -> Path:
     if not (DATA / "adult").is_dir():
         pytest.fail(f"{DATA}/adult missing (MPIFL_TEST_DATA names the tabular test data folder)")
-    path = tmp_path_factory.mktemp("mfairfl") / "job.toml"
-    path.write_text(JOB)
-    return path
+    return world.file(REFERENCE)
 
 
-@pytest.fixture(scope="module")
-def reference(adult_job, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "ref.h5"
-    run(3, "run", str(adult_job), "--out", str(out))
-    return out
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
 def test_runs_under_mpiexec_on_adult_with_group_metrics(reference):
     with h5py.File(reference, "r") as f:
         assert f.attrs["algorithm"] == "mfairfl" and f.attrs["world_size"] == 3
@@ -412,25 +409,17 @@ def test_runs_under_mpiexec_on_adult_with_group_metrics(reference):
     assert (ckpt.aggregator["multipliers"] > 0).any()
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_one_and_three_ranks_agree(reference, adult_job, tmp_path):
-    out = tmp_path / "one.h5"
-    run(1, "run", str(adult_job), "--out", str(out))
-    a, b = contents(reference), contents(out)
+def test_one_and_three_ranks_agree(reference, world):
+    a, b = contents(reference), contents(world.file(ONE))
     # accuracies exactly; the rest to float rounding of differently batched kernels
     np.testing.assert_array_equal(a["eval/client_accuracy"], b["eval/client_accuracy"])
     np.testing.assert_allclose(a["model/global"], b["model/global"], rtol=0, atol=1e-5)
     np.testing.assert_allclose(a["eval/group/dp"], b["eval/group/dp"], rtol=0, atol=1e-12)
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_resume_is_exact(reference, adult_job, tmp_path):
-    out = tmp_path / "part.h5"
-    run(3, "run", str(adult_job), "--out", str(out), "--set", "run.rounds=2")
-    run(3, "resume", str(out), "--rounds", "4")
-    a, b = contents(reference), contents(out)
+def test_resume_is_exact(reference, world):
+    assert world.status(PART) == 0
+    a, b = contents(reference), contents(world.file(RESUMED, "mfairfl-adult-part.h5"))
     assert a.keys() == b.keys()
     for key in a:
         assert np.array_equal(a[key], b[key], equal_nan=True), key
