@@ -1,12 +1,9 @@
 """Group fairness in evaluations: counts summed over clients give the violations on the union
-of test data (docs/ALGORITHMS.md §4, §10), on 1 and 3 MPI ranks, checked against a direct
-computation."""
+of test data (docs/ALGORITHMS.md §4, §10), on 1 and 3 MPI ranks (runs of the shared MPI world,
+tests/world.py), checked against a direct computation."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -18,7 +15,8 @@ from mpifl.experiment.config import load_config
 from mpifl.experiment.assemble import build_parts
 from mpifl.experiment.plan import make_plan
 from mpifl.metrics.fairness import group_violations, violations_from_counts
-from tests.helpers import TABULAR_DATA, mpiexec
+from tests.helpers import TABULAR_DATA
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = TABULAR_DATA
@@ -41,23 +39,16 @@ def test_counts_give_the_same_violations_as_predictions(seed):
         assert got[key] == pytest.approx(want[key], abs=1e-12), key
 
 
-def run(ranks: int, out: Path) -> None:
-    cmd = [sys.executable, "-m", "mpifl", "run", str(ROOT / "jobs" / "fmnist-fedfv.toml"),
-           "--out", str(out), "--no-progress", *ADULT]
-    if ranks > 1:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+#: the Adult job on 1 and 3 ranks
+RUNS = {ranks: world_run(f"group-adult-{ranks}", [
+    "run", str(ROOT / "jobs" / "fmnist-fedfv.toml"), "--out", f"{{dir}}/group-adult-{ranks}.h5",
+    "--no-progress", *ADULT], ranks=ranks) for ranks in (1, 3)}
 
 
-@pytest.mark.mpi
-def test_adult_evaluations_match_a_direct_computation(tmp_path):
+def test_adult_evaluations_match_a_direct_computation(world):
     if not SHARED.is_dir():
         pytest.fail(f"{SHARED} missing: MPIFL_TEST_DATA names the tabular test data folder")
-    one, three = tmp_path / "one.h5", tmp_path / "three.h5"
-    run(1, one)
-    run(3, three)
+    one, three = world.file(RUNS[1]), world.file(RUNS[3])
     with h5py.File(one, "r") as f, h5py.File(three, "r") as g:
         got = {k: f["eval/group"][k][-1] for k in ("dp", "eo", "ap")}
         for k in got:
