@@ -22,6 +22,7 @@ from mpifl.bench.aggregation import (BASELINE, COLUMNS, H5_BASELINE_DATASETS, H5
 from mpifl.cli import main
 from mpifl.bench.simulate import bench_simulate, model_flops
 from mpifl.models import build_model
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny real workload: synthetic data (no files needed), 6 of 10 clients, a 16-unit MLP
@@ -307,26 +308,24 @@ def test_shard_inputs_are_the_same_matrix_whatever_the_blocks():
     assert not torch.equal(whole[0]["updates"], whole[1]["updates"])
 
 
-@pytest.fixture(scope="module")
-def sharded_files(tmp_path_factory):
-    """The sharded benchmark at P = 1 (one process) and P = 2 (mpiexec -n 2), tiny sizes."""
-    from tests.helpers import mpiexec
+#: the sharded benchmark at P = 1 and P = 2 (one shard a rank), tiny sizes, in the shared world
+#: (tests/world.py)
+SHARDED = {P: world_run(f"bench-sharded-p{P}", [
+    "bench", "aggregation", "--algorithms", "fedavg,fedfv,fedlf", "--m", "12,24", "--d", "3000",
+    "--repeats", "2", "--tau", "2", "--shards", str(P), "--out", f"{{dir}}/bench-sharded-p{P}.h5"],
+    ranks=P) for P in (1, 2)}
 
-    folder = tmp_path_factory.mktemp("sharded")
-    args = ["bench", "aggregation", "--algorithms", "fedavg,fedfv,fedlf", "--m", "12,24",
-            "--d", "3000", "--repeats", "2", "--tau", "2"]
+
+@pytest.fixture(scope="module")
+def sharded_files(world):
     out = {}
-    for P in (1, 2):
-        out[P] = folder / f"p{P}.h5"
-        cmd = [sys.executable, "-m", "mpifl", *args, "--shards", str(P), "--out", str(out[P])]
-        proc = subprocess.run([mpiexec(), "-n", str(P), *cmd], capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert f"wrote {out[P]}" in proc.stdout and proc.stdout.count("wrote") == 1  # rank 0
+    for P, run in SHARDED.items():
+        out[P] = world.file(run)
+        printed = world.output(run)  # every rank's: only rank 0 writes
+        assert f"wrote {out[P]}" in printed and printed.count("wrote") == 1, printed[-3000:]
     return out
 
 
-@pytest.mark.mpi
 def test_sharded_bench_rows_split_and_agree_with_one_rank(sharded_files):
     from mpifl.bench.sharded import read_sharded_hdf5
 
@@ -343,7 +342,6 @@ def test_sharded_bench_rows_split_and_agree_with_one_rank(sharded_files):
     assert attrs1["shards"] == 1 and (one["fedfv"]["allsum_s"] == 0).all()
 
 
-@pytest.mark.mpi
 def test_agg_scaling_takes_p_as_an_axis(sharded_files, tmp_path):
     png = tmp_path / "p.png"
     proc = _run_scaling("--sharded", str(sharded_files[1]), str(sharded_files[2]),
