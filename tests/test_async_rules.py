@@ -3,15 +3,13 @@
 
 The oracle: FedBuff with buffer_size = concurrency = m, constant staleness and server_lr 1
 starts m clients a step and aggregates all of them fresh, so it is FedAvg with uniform weights,
-bit for bit, in one process and on 3 ranks. With C > B updates arrive stale; a run stopped after
-3 steps and resumed to 6 equals an uninterrupted one bit for bit.
+bit for bit, in one process and on 3 ranks (runs of the shared MPI world, tests/world.py). With
+C > B updates arrive stale; a run stopped after 3 steps and resumed to 6 equals an uninterrupted
+one bit for bit.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -25,7 +23,7 @@ from mpifl.aggregators.fedbuff import staleness_weights
 from mpifl.core.errors import ConfigError
 from mpifl.experiment.config import load_config
 from mpifl.store.checkpoint import folder_for, load_latest
-from tests.helpers import mpiexec
+from tests.world import world_run
 
 JOB = """
 [run]
@@ -63,7 +61,6 @@ STALE = {"server.algorithm": "fedbuff", "fedbuff.buffer_size": 3, "fedbuff.concu
 #: model, evaluation and system tables: what must be equal (times and memory are not)
 EXACT = ("model/global", "eval/client_accuracy", "eval/client_loss", "rounds/selected",
          "rounds/aggregated", "rounds/train_loss", "rounds/num_clients")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _sets(overrides: dict) -> list[str]:
@@ -84,21 +81,19 @@ def _run(out: Path, overrides: dict | None = None, rounds: int | None = None) ->
     return out
 
 
-def _cli(args: list[str], cwd: Path, ranks: int = 1) -> None:
-    cmd = [sys.executable, "-m", "mpifl", *args]
-    if ranks > 1:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=ENV, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def _run_ranks(out: Path, ranks: int, overrides: dict | None = None,
-               rounds: int | None = None) -> Path:
-    job = out.parent / "job.toml"
-    job.write_text(JOB)
+def _world(name: str, overrides: dict | None = None, rounds: int | None = None):
+    """A run on 3 ranks of the shared world (tests/world.py), into ``{dir}/<name>.h5``."""
     sets = _sets({**(overrides or {}), **({"run.rounds": rounds} if rounds else {})})
-    _cli(["run", str(job), "--out", str(out), "--no-progress", *sets], out.parent, ranks)
-    return out
+    return world_run(name, ["run", "{dir}/async.toml", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress", *sets], files={"async.toml": JOB})
+
+
+AVG3 = _world("async-avg3")
+BUF3 = _world("async-buf3", ORACLE)
+FULL3 = _world("async-full3", STALE, rounds=6)
+PART3 = _world("async-part3", STALE, rounds=3)
+RESUMED3 = world_run("async-part3-resumed", ["resume", "{dir}/async-part3.h5", "--rounds", "6",
+                                             "--no-progress"])
 
 
 def _arrays(path: Path) -> dict[str, np.ndarray]:
@@ -255,17 +250,9 @@ def test_fedasync_resumes_exactly(tmp_path):
     assert steps[:, 2].tolist() == [1] * 6 and steps[1:, 4].max() > 0  # one stale update a step
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_the_oracle_and_resume_on_three_ranks(tmp_path):
-    (tmp_path / "o").mkdir()
-    (tmp_path / "r").mkdir()
-    avg = _run_ranks(tmp_path / "o" / "avg.h5", 3)
-    buf = _run_ranks(tmp_path / "o" / "buf.h5", 3, ORACLE)
-    a, b = _arrays(avg), _arrays(buf)
+def test_the_oracle_and_resume_on_three_ranks(world):
+    a, b = _arrays(world.file(AVG3)), _arrays(world.file(BUF3))
     for k in EXACT:
         assert np.array_equal(a[k], b[k], equal_nan=True), k
-    full = _run_ranks(tmp_path / "r" / "full.h5", 3, STALE, rounds=6)
-    part = _run_ranks(tmp_path / "r" / "part.h5", 3, STALE, rounds=3)
-    _cli(["resume", str(part), "--rounds", "6", "--no-progress"], tmp_path / "r", 3)
-    _assert_same(full, part)
+    assert world.status(PART3) == 0
+    _assert_same(world.file(FULL3), world.file(RESUMED3, "async-part3.h5"))
