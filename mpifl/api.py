@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,7 +44,7 @@ class RunStopped(MpiflError):
 def run(config: str | Path | Mapping[str, Any], *, out: str | Path | None = None,
         overrides: Mapping[str, Any] | Sequence[str] = (),
         mode: Literal["new", "overwrite", "resume"] = "new", progress: bool = True,
-        lazy: bool | str = "auto"):
+        lazy: bool | str = "auto", comm: Any = None):
     """Run one experiment in this process (or on every rank of an MPI job) and load its results.
 
     Args:
@@ -58,6 +59,9 @@ def run(config: str | Path | Mapping[str, Any], *, out: str | Path | None = None
             start it).
         progress: show the progress bar.
         lazy: passed to :func:`mpifl.load`.
+        comm: an mpi4py communicator to run on instead of MPI_COMM_WORLD (its rank 0 the
+            server), e.g. a ``Split`` of the world so that several runs share one launched
+            job; every rank of ``comm`` calls :func:`run` with the same arguments.
 
     Returns:
         On rank 0 (or in one process): the ``xarray.Dataset`` of :func:`mpifl.load` for
@@ -91,15 +95,17 @@ def run(config: str | Path | Mapping[str, Any], *, out: str | Path | None = None
         where.append(path)
         return cfg, path
 
+    from mpifl.runtime.comm import communicator, launched_rank
+
     stop = StopRequest()
-    with _stop_signals(stop), _log_to_stderr():
+    with _stop_signals(stop), _log_to_stderr(), \
+            communicator(comm) if comm is not None else nullcontext():
         status = run_experiment(load, mode=mode, progress=progress, stop=stop)
+        rank = launched_rank()
     if status == 3:
         raise RunStopped(f"stopped by {stop.reason} after a checkpoint: run again with "
                          f"mode='resume' to continue {where[0]}")
-    from mpifl.runtime.comm import launched_rank
-
-    if launched_rank() != 0:
+    if rank != 0:
         return None
     from mpifl.report.load import load as load_results
 

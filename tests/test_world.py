@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from mpifl.runtime import comm
-from tests import world
+from tests import world as shared_world
 from tests.conftest import _Guard
 
 
@@ -60,23 +60,23 @@ def _item(module: str, uses_world: bool, marker: str | None = None):
 
 
 def test_a_session_starts_the_runs_its_selected_tests_read(monkeypatch):
-    monkeypatch.setattr(world, "_RUNS", {})
-    a = world.world_run("a", ["run"])
-    world.world_run("b", ["run"], for_mpi=True)
-    c = world.world_run("c", ["resume"], ranks=2)
-    other = world.world_run("other", ["run"])
-    other = world.WorldRun(**{**other.__dict__, "module": "elsewhere"})
-    world._RUNS["other"] = other
+    monkeypatch.setattr(shared_world, "_RUNS", {})
+    a = shared_world.world_run("a", ["run"])
+    shared_world.world_run("b", ["run"], for_mpi=True)
+    c = shared_world.world_run("c", ["resume"], ranks=2)
+    other = shared_world.world_run("other", ["run"])
+    other = shared_world.WorldRun(**{**other.__dict__, "module": "elsewhere"})
+    shared_world._RUNS["other"] = other
     here = __name__
-    assert list(world.needed([_item(here, True)])) == ["a", "c"]  # in declaration order
-    assert list(world.needed([_item(here, True, "mpi")])) == ["b"]
-    assert list(world.needed([_item(here, True, "slurm"), _item(here, False)])) == ["b"]
-    assert world.needed([_item(here, False)]) == {}
-    assert list(world.needed([_item("elsewhere", True)])) == ["other"]
+    assert list(shared_world.needed([_item(here, True)])) == ["a", "c"]  # in declaration order
+    assert list(shared_world.needed([_item(here, True, "mpi")])) == ["b"]
+    assert list(shared_world.needed([_item(here, True, "slurm"), _item(here, False)])) == ["b"]
+    assert shared_world.needed([_item(here, False)]) == {}
+    assert list(shared_world.needed([_item("elsewhere", True)])) == ["other"]
     with pytest.raises(ValueError, match="declared twice"):
-        world.world_run("a", ["run", "x"])
+        shared_world.world_run("a", ["run", "x"])
     with pytest.raises(ValueError, match="1 to 4"):
-        world.world_run("d", ["run"], ranks=5)
+        shared_world.world_run("d", ["run"], ranks=5)
     assert (a.module, c.ranks) == (here, 2)
 
 
@@ -91,8 +91,70 @@ def test_only_the_worlds_own_thread_may_start_mpiexec_from_an_unmarked_test():
         except pytest.fail.Exception:
             started.append(False)
 
-    for name in (world.THREAD + "_0", "another"):
+    for name in (shared_world.THREAD + "_0", "another"):
         thread = threading.Thread(target=launch, name=name)
         thread.start()
         thread.join()
     assert started == [True, False]
+
+
+SPLIT_JOB = """
+[run]
+name = "split"
+seed = 4
+rounds = 3
+eval_every = 3
+[data]
+dataset = "fashion_mnist"
+partition = "shards"
+num_clients = 8
+[model]
+name = "mlp"
+hidden = [16]
+[client]
+batch_size = 0
+[server]
+algorithm = "fedfv"
+clients_per_round = 4
+"""
+#: the same job on 2 ranks, as the shared world runs it through the command line
+ON_TWO = shared_world.world_run("world-split-2", ["run", "{dir}/split.toml", "--out",
+                                           "{dir}/world-split-2.h5", "--no-progress"],
+                         ranks=2, files={"split.toml": SPLIT_JOB}, for_mpi=True)
+SPLIT = """
+import sys
+from mpi4py import MPI
+import mpifl
+half = MPI.COMM_WORLD.Split(MPI.COMM_WORLD.Get_rank() // 2)
+color = MPI.COMM_WORLD.Get_rank() // 2
+mpifl.run(sys.argv[1], out=f"{sys.argv[2]}/half-{color}.h5", progress=False, comm=half)
+"""
+
+
+@pytest.mark.mpi
+def test_mpifl_run_on_two_halves_of_a_world_gives_the_two_rank_run_twice(world, tmp_path):
+    """4 ranks split into two communicators of 2, each running the same job at the same time
+    through ``mpifl.run(comm=...)``: both results equal the 2-rank run of the command line."""
+    import os
+    import sys
+
+    import h5py
+    import numpy as np
+
+    from tests.helpers import mpiexec
+    from tests.test_resume import contents
+
+    job = tmp_path / "split.toml"
+    job.write_text(SPLIT_JOB)
+    proc = subprocess.run([mpiexec(), "-n", "4", sys.executable, "-c", SPLIT, str(job),
+                           str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = contents(world.file(ON_TWO))
+    for color in (0, 1):
+        got = contents(tmp_path / f"half-{color}.h5")
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        with h5py.File(tmp_path / f"half-{color}.h5") as f:
+            assert f.attrs["world_size"] == 2
