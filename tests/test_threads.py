@@ -1,7 +1,9 @@
 """Each rank's threads fit the node: the cores this process may use divided among the ranks that
 share them (mpifl.runtime.threads), unless the job (run.threads) or the user (OMP_NUM_THREADS)
-chose. The pure rule with its inputs as numbers; then real runs, one process and mpiexec -n 3,
-read back from the results file (the threads each rank had once set) and rank 0's log line.
+chose. The pure rule with its inputs as numbers; then real runs, one process and 3 ranks, read
+back from the results file (the threads each rank had once set) and rank 0's log line: from the
+shared MPI world (tests/world.py), but for the 3 ranks of a plain ``mpiexec -n 3`` with no
+OMP_NUM_THREADS at all, which need processes of their own.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 
 from mpifl.runtime.threads import Cores, cgroup_quota, decide_threads, threads_line, usable_cores
 from tests.helpers import mpiexec, small_fmnist_job, write_fmnist_job
+from tests.world import world_run
 
 # --------------------------------------------------------------------------- the rule
 
@@ -94,11 +97,28 @@ def expected_auto(ranks: int) -> int:
     return max(1, share)
 
 
+JOB = small_fmnist_job("cores", seed=1, rounds=1, eval_every=1, checkpoint_every=0,
+                       partition='partition = "shards"', algorithm="fedavg")
+
+
+def _world(name: str, ranks: int, omp: str, *extra: str):
+    """A world run of the job with OMP_NUM_THREADS = ``omp`` ("": ignored, as if unset)."""
+    return world_run(f"threads-{name}", ["run", "{dir}/threads.toml", "--out",
+                                         f"{{dir}}/threads-{name}.h5", "--no-progress", *extra],
+                     ranks=ranks, files={"threads.toml": JOB}, env={"OMP_NUM_THREADS": omp})
+
+
+# A world rank keeps the threads its earlier runs set (1): a run due to set 1 would pass there
+# even if it set nothing, so the auto share of 3 ranks on few cores runs in fresh processes
+# (test_three_ranks_share_the_cores); each world run here sets another count (on 2 cores).
+ONE = _world("one", 1, "")
+OMP = _world("omp", 3, "2")
+RUN_THREADS = _world("set", 1, "2", "--set", "run.threads=3")
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
-    return write_fmnist_job(tmp_path_factory, "threads.toml", small_fmnist_job(
-        "cores", seed=1, rounds=1, eval_every=1, checkpoint_every=0,
-        partition='partition = "shards"', algorithm="fedavg"))
+    return write_fmnist_job(tmp_path_factory, "threads.toml", JOB)
 
 
 def run(job: Path, out: Path, ranks: int, *extra: str, omp: str | None = None) -> str:
@@ -138,17 +158,15 @@ def test_three_ranks_share_the_cores(job, tmp_path):
     assert line_of(log).startswith(f"threads: {n} a rank (auto: ")
 
 
-def test_one_process_takes_every_core(job, tmp_path):
-    log = run(job, tmp_path / "one.h5", 1)
-    assert stored_threads(tmp_path / "one.h5") == [expected_auto(1)]
+def test_one_process_takes_every_core(world):
+    log = world.output(ONE)
+    assert stored_threads(world.file(ONE)) == [expected_auto(1)]
     assert line_of(log).startswith(f"threads: {expected_auto(1)} (auto: ")
 
 
-@pytest.mark.mpi
-def test_omp_num_threads_and_run_threads_are_honoured(job, tmp_path):
-    log = run(job, tmp_path / "omp.h5", 3, omp="2")
-    assert stored_threads(tmp_path / "omp.h5") == [2, 2, 2]
-    assert line_of(log) == "threads: 2 a rank (OMP_NUM_THREADS=2 in the environment)"
-    log = run(job, tmp_path / "set.h5", 1, "--set", "run.threads=3", omp="2")
-    assert stored_threads(tmp_path / "set.h5") == [3]
-    assert line_of(log) == "threads: 3 (run.threads = 3)"
+def test_omp_num_threads_and_run_threads_are_honoured(world):
+    assert stored_threads(world.file(OMP)) == [2, 2, 2]
+    assert line_of(world.output(OMP)) == (
+        "threads: 2 a rank (OMP_NUM_THREADS=2 in the environment)")
+    assert stored_threads(world.file(RUN_THREADS)) == [3]
+    assert line_of(world.output(RUN_THREADS)) == "threads: 3 (run.threads = 3)"
