@@ -1,6 +1,7 @@
 """Ditto (Li et al., ICML 2021): the trainer against a per-client torch.optim.SGD oracle, the
 batched personal evaluation against a per-client loop, the aggregator by hand, its checkpoint
-state, and real runs (1 process vs mpiexec -n 3, kill-and-resume)."""
+state, and real runs: 1 process against 3 ranks (both from the shared MPI world,
+tests/world.py), and a SIGKILL of mpiexec -n 3 resumed against the world's uninterrupted run."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from mpifl.experiment.config import load_config
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model
 from tests.helpers import h5_round_trip, train, write_fmnist_job
+from tests.world import world_run
 
 ATOL = 1e-5
 
@@ -297,21 +299,20 @@ def job(tmp_path_factory):
     return write_fmnist_job(tmp_path_factory, "ditto.toml", JOB)
 
 
-@pytest.fixture(scope="module")
-def runs(job, tmp_path_factory):
-    """The same Ditto job on 1 process and on mpiexec -n 3."""
-    from tests.test_resume import run
-
-    folder = tmp_path_factory.mktemp("ditto")
-    out = {n: folder / f"n{n}.h5" for n in (1, 3)}
-    for n, path in out.items():
-        run(n, "run", str(job), "--out", str(path))
-    return out
+def _run(name: str, ranks: int, for_mpi: bool = False):
+    return world_run(name, ["run", "{dir}/ditto.toml", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress"], ranks=ranks, files={"ditto.toml": JOB},
+                     for_mpi=for_mpi)
 
 
-@pytest.mark.mpi
-def test_one_and_three_ranks_give_the_same_personal_accuracies(runs, capsys):
-    out = runs
+#: the same Ditto job on 1 process and on 3 ranks, from the shared MPI world
+RUNS = {n: _run(f"ditto-{n}", n) for n in (1, 3)}
+#: the kill-and-resume test's reference (it runs in the MPI tier)
+REFERENCE = _run("ditto-3-ref", 3, for_mpi=True)
+
+
+def test_one_and_three_ranks_give_the_same_personal_accuracies(world, capsys):
+    out = {n: world.file(run) for n, run in RUNS.items()}
     res = {}
     for n, path in out.items():
         with h5py.File(path, "r") as f:
@@ -383,12 +384,12 @@ def kill_mid_run(cmd: list[str], out, seconds: float) -> bool:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_sigkill_then_resume_is_bit_exact(job, runs, tmp_path):
+def test_sigkill_then_resume_is_bit_exact(job, world, tmp_path):
     from mpifl.store.results import MEASURED_COLUMNS
     from tests.test_resume import command, run
 
-    out = runs
-    with h5py.File(out[3], "r") as f:  # how long the reference's rounds took
+    ref = world.file(REFERENCE)
+    with h5py.File(ref, "r") as f:  # how long the reference's rounds took
         rounds_s = sum(float(f["rounds"][k][()].sum()) for k in MEASURED_COLUMNS
                        if k.startswith("time_"))
     rng = np.random.default_rng(int(time.time()))
@@ -400,7 +401,7 @@ def test_sigkill_then_resume_is_bit_exact(job, runs, tmp_path):
     else:
         pytest.fail(f"the job finished before every kill point (rounds took {rounds_s:.1f} s)")
     run(3, "run", str(job), "--out", str(path), "--resume")
-    got, want = contents(path), contents(out[3])
+    got, want = contents(path), contents(ref)
     assert got.keys() == want.keys() and "/eval/personal/mean" in want
     assert "/eval/personal_accuracy" in want
     for key in want:
