@@ -1,15 +1,13 @@
 """Synchronous rounds on simulated time (``[system]``, mpifl/runtime/clock.py): selection among
 the available clients, deadlines and over-commitment against a direct oracle, the clock carried
-by checkpoints (resume exact on 1 and 3 ranks), every built-in rule under it, the system model
-off changing nothing, and what the results, ``mpifl.load``, ``mpifl report`` and ``mpifl plot
-time`` show."""
+by checkpoints (resume exact on 1 and 3 ranks, runs of the shared MPI world, tests/world.py),
+every built-in rule under it, the system model off changing nothing, and what the results,
+``mpifl.load``, ``mpifl report`` and ``mpifl plot time`` show."""
 
 from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -22,8 +20,7 @@ from mpifl.cli import main
 from mpifl.clients.system import SystemModel, SystemParams, Tier
 from mpifl.core.rng import SAMPLING_TAG
 from mpifl.runtime.clock import Clock
-
-from .helpers import mpiexec
+from tests.world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = """
@@ -62,13 +59,21 @@ def job(tmp_path_factory) -> Path:
     return path
 
 
-def _cli(args: list[str], cwd: Path, ranks: int = 0) -> None:
-    cmd = [sys.executable, "-m", "mpifl", *args, "--no-progress"]
-    if ranks:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+def _world(name: str, ranks: int, *words: str, command: str = "run"):
+    """A world run (tests/world.py) of the job (``mpifl run``) into ``{dir}/<name>.h5``, or
+    ``mpifl resume`` of ``{dir}/<name>.h5``."""
+    out = f"{{dir}}/{name}.h5"
+    if command == "resume":
+        return world_run(f"{name}-resumed", ["resume", out, *words, "--no-progress"],
+                         ranks=ranks)
+    return world_run(name, ["run", "{dir}/clock.toml", *words, "--out", out, "--no-progress"],
+                     ranks=ranks, files={"clock.toml": JOB})
+
+
+ONE = _world("clock-one", 1)
+THREE = _world("clock-three", 3)
+PART = _world("clock-part", 3, "--set", "run.rounds=3")
+RESUMED = _world("clock-part", 3, "--rounds", "6", command="resume")
 
 
 def _datasets(path: Path, group: str) -> dict[str, np.ndarray]:
@@ -133,13 +138,10 @@ def test_only_available_clients_are_selected_and_the_state_round_trips():
 # --------------------------------------------------------------------------- whole runs
 
 
-@pytest.mark.mpi
-def test_runs_on_simulated_time_resume_exactly_on_one_and_three_ranks(job, tmp_path):
-    one, three, part = tmp_path / "one.h5", tmp_path / "three.h5", tmp_path / "part.h5"
-    _cli(["run", str(job), "--out", str(one)], tmp_path)
-    _cli(["run", str(job), "--out", str(three)], tmp_path, ranks=3)
-    _cli(["run", str(job), "--set", "run.rounds=3", "--out", str(part)], tmp_path, ranks=3)
-    _cli(["resume", str(part), "--rounds", "6"], tmp_path, ranks=3)
+def test_runs_on_simulated_time_resume_exactly_on_one_and_three_ranks(world):
+    assert world.status(PART) == 0
+    one, three = world.file(ONE), world.file(THREE)
+    part = world.file(RESUMED, "clock-part.h5")
     system = _datasets(one, "system")
     with h5py.File(three, "r") as a, h5py.File(part, "r") as b:  # resumed: bit for bit
         assert np.array_equal(a["model/global"][()], b["model/global"][()])
