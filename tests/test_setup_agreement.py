@@ -2,7 +2,8 @@
 failure on one rank during set-up — an exception in a plugin's import or in a data set's loader, a
 rank stopped with SIGSTOP, a signal to the job — ends every rank within seconds with that rank's one
 line and one status (2; 130 for SIGINT; 3 for SIGTERM/SIGUSR1), never a hang and never the 3 that
-mpiexec's OR of 2 and 1 used to give. Real ranks (mpiexec -n 3), a real plugin module, real signals.
+mpiexec's OR of 2 and 1 used to give. Real ranks (mpiexec -n 3), a real plugin module, real signals;
+the same job without a fault runs on 3 ranks of the shared MPI world (tests/world.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import kill_tree, mpiexec, process_tree
-
-pytestmark = pytest.mark.mpi  # starts mpiexec: one at a time (tests/conftest.py)
+from tests.world import world_run
 
 #: A plugin whose behaviour on one rank is chosen by the environment: MPIFL_FAULT is
 #: "<where>:<what>:<rank>" (where: import, data; what: raise, stop, wait).
@@ -86,6 +86,13 @@ def job(tmp_path_factory) -> Path:
     return folder / "job.toml"
 
 
+#: the job with no fault, beside its plugin as in ``job``
+UNCHANGED = world_run("setup-agreement-ok", [
+    "run", "{dir}/setup-agreement.toml", "--out", "{dir}/setup-agreement-ok.h5", "--no-progress"],
+    files={"setup_faults.py": PLUGIN, "setup-agreement.toml": JOB},
+    env={"MPIFL_FAULT": "none:none:-1"})
+
+
 def launch(job: Path, out: Path, fault: str, **env) -> subprocess.Popen:
     return subprocess.Popen(
         [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(job), "--out", str(out),
@@ -118,12 +125,11 @@ def mpifl_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("mpifl: ")]
 
 
-def test_the_unchanged_job_runs(job, tmp_path):
-    code, err, _ = finish(launch(job, tmp_path / "ok.h5", "none:none:-1"), 120)
-    assert code == 0, err[-3000:]
-    assert (tmp_path / "ok.h5").is_file()
+def test_the_unchanged_job_runs(world):
+    assert world.file(UNCHANGED).is_file()
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("fault,message", [
     ("import:raise:1", "rank 1: plugins.modules: cannot import 'setup_faults': RuntimeError: "
                        "import fails on rank 1 only"),
@@ -140,6 +146,7 @@ def test_an_exception_on_one_rank_ends_every_rank_with_its_line_and_status_2(
     assert took < 60
 
 
+@pytest.mark.mpi
 def test_a_rank_stopped_during_set_up_is_named_and_the_job_ends(job, tmp_path):
     proc = launch(job, tmp_path / "run.h5", "data:stop:2")
     try:
@@ -155,6 +162,7 @@ def test_a_rank_stopped_during_set_up_is_named_and_the_job_ends(job, tmp_path):
     assert took < 6 + 30
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 3),
                                         (signal.SIGUSR1, 3)])
 def test_a_signal_during_set_up_ends_every_rank_cleanly(job, tmp_path, sig, status):
