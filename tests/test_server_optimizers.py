@@ -1,6 +1,7 @@
 """Server optimizers: FedAvgM, FedAdagrad, FedAdam, FedYogi after any rule, against
 the update equations of Reddi et al. (ICLR 2021, Algorithm 2) written out by hand per
-coordinate, their state through checkpoints, and whole runs under mpiexec."""
+coordinate, their state through checkpoints, and whole runs on 1 and 3 MPI ranks (runs of the
+shared MPI world, tests/world.py; the kill-and-resume test launches its own)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from mpifl.aggregators.server_opt import OPTIMIZERS, ServerOptimizer, ServerOptimizerParams
+from tests.helpers import small_fmnist_job
+from tests.world import world_run
 
 
 def _by_hand(name, steps, lr, momentum, b1, b2, tau):
@@ -83,37 +86,55 @@ def test_unknown_optimizer_is_refused():
 # --------------------------------------------------------------------------- whole runs
 
 
+ADAM = small_fmnist_job("adam", seed=1, rounds=8, eval_every=4, checkpoint_every=2,
+                        partition='partition = "shards"', algorithm="fedfv") + (
+    'optimizer = "adam"\nlr = 0.03\nbetas = [0.8, 0.95]\ntau = 0.01\n')
+
+
+def _run(name: str, *sets: str, ranks: int = 1, for_mpi: bool = False):
+    """A world run (tests/world.py) of the FedAdam job into ``{dir}/<name>.h5``."""
+    return world_run(name, ["run", "{dir}/opt-adam.toml", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress", *[a for s in sets for a in ("--set", s)]],
+                     ranks=ranks, files={"opt-adam.toml": ADAM}, for_mpi=for_mpi)
+
+
+ONE, THREE = _run("opt-one"), _run("opt-three", ranks=3)
+PLAIN = _run("opt-plain", 'server.optimizer="sgd"', "server.lr=1.0")  # the rule alone
+#: the reference of the kill-and-resume test (marked mpi)
+THREE_MPI = _run("opt-three-mpi", ranks=3, for_mpi=True)
+BAD = [(_run(f"opt-bad-{i}", setting), message) for i, (setting, message) in enumerate((
+    ('server.optimizer="nadam"', "server.optimizer"), ("server.lr=0", "server.lr"),
+    ("server.betas=[0.9]", "server.betas")))]
+
+
 @pytest.fixture(scope="module")
 def adam_job(tmp_path_factory):
-    from tests.helpers import small_fmnist_job, write_fmnist_job
+    from tests.helpers import write_fmnist_job
 
-    text = small_fmnist_job("adam", seed=1, rounds=8, eval_every=4, checkpoint_every=2,
-                            partition='partition = "shards"', algorithm="fedfv")
-    text += 'optimizer = "adam"\nlr = 0.03\nbetas = [0.8, 0.95]\ntau = 0.01\n'
-    return write_fmnist_job(tmp_path_factory, "adam.toml", text)
+    return write_fmnist_job(tmp_path_factory, "adam.toml", ADAM)
+
+
+def test_fedadam_on_fedfv_on_three_ranks_equals_one_rank(world):
+    from tests.test_resume import contents
+
+    a, b = contents(world.file(ONE)), contents(world.file(THREE))
+    np.testing.assert_allclose(a["model/global"], b["model/global"], atol=1e-5)
+    np.testing.assert_allclose(a["eval/client_accuracy"], b["eval/client_accuracy"], atol=1e-3)
+    # the rule alone (sgd, lr 1) moves differently: the optimizer is applied
+    assert not np.allclose(contents(world.file(PLAIN))["model/global"], a["model/global"])
+    from mpifl.store.checkpoint import folder_for, load_latest
+
+    ckpt = load_latest(folder_for(world.file(THREE)))
+    assert set(ckpt.server_state) == {"optimizer_m", "optimizer_v"}
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_fedadam_on_fedfv_under_mpi_equals_one_process_and_resumes_exactly(adam_job, tmp_path):
+def test_fedadam_on_fedfv_under_mpi_resumes_exactly(adam_job, world, tmp_path):
     from tests.test_ditto import kill_mid_run
     from tests.test_resume import command, contents, run
 
-    one, three = tmp_path / "one.h5", tmp_path / "three.h5"
-    run(1, "run", str(adam_job), "--out", str(one))
-    run(3, "run", str(adam_job), "--out", str(three))
-    a, b = contents(one), contents(three)
-    np.testing.assert_allclose(a["model/global"], b["model/global"], atol=1e-5)
-    np.testing.assert_allclose(a["eval/client_accuracy"], b["eval/client_accuracy"], atol=1e-3)
-    # the rule alone (sgd, lr 1) moves differently: the optimizer is applied
-    plain = tmp_path / "plain.h5"
-    run(1, "run", str(adam_job), "--out", str(plain), "--set", 'server.optimizer="sgd"',
-        "--set", "server.lr=1.0")
-    assert not np.allclose(contents(plain)["model/global"], a["model/global"])
-    from mpifl.store.checkpoint import folder_for, load_latest
-
-    ckpt = load_latest(folder_for(three))
-    assert set(ckpt.server_state) == {"optimizer_m", "optimizer_v"}
+    b = contents(world.file(THREE_MPI))
     for attempt in range(3):
         path = tmp_path / f"k{attempt}.h5"
         if kill_mid_run(command(3, "run", str(adam_job), "--out", str(path)), path,
@@ -127,13 +148,8 @@ def test_fedadam_on_fedfv_under_mpi_equals_one_process_and_resumes_exactly(adam_
         assert np.array_equal(got[key], b[key], equal_nan=True), key
 
 
-@pytest.mark.slow
-def test_bad_server_optimizer_settings_are_one_line(adam_job, tmp_path):
-    from tests.test_resume import run
-
-    for setting, message in (('server.optimizer="nadam"', "server.optimizer"),
-                             ("server.lr=0", "server.lr"),
-                             ("server.betas=[0.9]", "server.betas")):
-        proc = run(1, "run", str(adam_job), "--out", str(tmp_path / "x.h5"), "--set", setting,
-                   code=2)
-        assert message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_server_optimizer_settings_are_one_line(world):
+    for run, message in BAD:
+        output = world.output(run)
+        assert world.status(run) == 2, output[-2000:]
+        assert message in output and "Traceback" not in output
