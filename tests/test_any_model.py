@@ -1,12 +1,13 @@
 """Any model researchers train: the loss declared once, the per-client loop trainer
 (the oracle of the vectorised paths and the trainer of BatchNorm and Dropout), keyed dropout,
-BatchNorm statistics averaged with the parameters, the trainer choice, and the example plugin
-package examples/models/ under real mpiexec with kill and resume."""
+BatchNorm statistics averaged with the parameters, the trainer choice, and whole runs of the
+example plugin package examples/models/ and of failing plugins, from the shared MPI world
+(tests/world.py); a kill and resume, and a failure that ends the ranks with MPI_Abort, under
+real mpiexec."""
 
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from mpifl.core.errors import ConfigError
 from mpifl.core.layout import ParamLayout
 from mpifl.models import build_model, get_loss, model_traits
 from tests.helpers import train
+from tests.world import world_run
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
 
@@ -277,10 +279,19 @@ def test_unknown_loss_is_one_line():
 # --------------------------------------------------------------------------- whole runs
 
 
-def _job(tmp_path, text, name="job.toml"):
-    path = tmp_path / name
-    path.write_text(f'[plugins]\nmodules = ["mpifl_models"]\npath = ["{EXAMPLES}"]\n' + text)
-    return path
+def _job_text(text: str) -> str:
+    """A job on the example package's parts (its [plugins] table first)."""
+    return f'[plugins]\nmodules = ["mpifl_models"]\npath = ["{EXAMPLES}"]\n' + text
+
+
+def _run(name: str, text: str, ranks: int = 1, *sets: str, for_mpi: bool = False,
+         files: dict[str, str] | None = None):
+    """A run of the shared MPI world (tests/world.py): the job ``text`` as ``{name}.toml``,
+    with ``--set`` words ``sets``; its results ``{name}.h5``."""
+    words = [x for s in sets for x in ("--set", s)]
+    return world_run(name, ["run", f"{{dir}}/{name}.toml", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress", *words], ranks=ranks,
+                     files={f"{name}.toml": text, **(files or {})}, for_mpi=for_mpi)
 
 
 RESNET = """
@@ -318,27 +329,27 @@ algorithm = "fedavg"
 clients_per_round = 4
 """
 
-
-@pytest.fixture(scope="module", params=["global", "local"])
-def resnet_runs(tmp_path_factory, request):
-    from tests.test_resume import run
-
-    tmp = tmp_path_factory.mktemp("resnet")
-    job = _job(tmp, RESNET.replace('loss = "smoothed_ce"',
-                                   f'loss = "smoothed_ce"\nbatchnorm = "{request.param}"'))
-    outs = {}
-    for ranks in (1, 3):
-        outs[ranks] = tmp / f"n{ranks}.h5"
-        run(ranks, "run", str(job), "--out", str(outs[ranks]))
-    return job, outs
+BATCHNORM = ("global", "local")
 
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs):
+def _resnet(batchnorm: str) -> str:
+    return _job_text(RESNET.replace('loss = "smoothed_ce"',
+                                    f'loss = "smoothed_ce"\nbatchnorm = "{batchnorm}"'))
+
+
+#: each BatchNorm mode on 1 process and on 3 ranks
+RESNET_RUNS = {(bn, ranks): _run(f"anymodel-resnet-{bn}-{ranks}", _resnet(bn), ranks)
+               for bn in BATCHNORM for ranks in (1, 3)}
+#: the references of the kill-and-resume test (it runs in the MPI tier)
+RESNET_REFERENCE = {bn: _run(f"anymodel-resnet-{bn}-ref", _resnet(bn), 3, for_mpi=True)
+                    for bn in BATCHNORM}
+
+
+@pytest.mark.parametrize("batchnorm", BATCHNORM)
+def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(world, batchnorm):
     from tests.test_resume import contents
 
-    _, outs = resnet_runs
+    outs = {ranks: world.file(RESNET_RUNS[batchnorm, ranks]) for ranks in (1, 3)}
     one, three = contents(outs[1]), contents(outs[3])
     assert one.keys() == three.keys()
     for key in (k for k in one if k.startswith(("model/", "eval/", "rounds/selected"))):
@@ -349,7 +360,8 @@ def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs)
         names = [n.decode() if isinstance(n, bytes) else n for n in f["model/layer_names"][()]]
         assert "1" in names  # the stem's BatchNorm, statistics included, is a layer of w
     assert np.isfinite(one["eval/client_accuracy"]).all()
-    if '"batchnorm": "local"' in config:  # FedBN: w's BatchNorm coordinates never move
+    assert f'"batchnorm": "{batchnorm}"' in config
+    if batchnorm == "local":  # FedBN: w's BatchNorm coordinates never move
         from mpifl.store.checkpoint import folder_for, load_latest
 
         model = _resnet_model()
@@ -366,11 +378,14 @@ def test_batchnorm_dropout_resnet_is_bit_identical_on_1_and_3_ranks(resnet_runs)
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_batchnorm_dropout_resnet_resumes_bit_exact_after_sigkill(resnet_runs, tmp_path):
+@pytest.mark.parametrize("batchnorm", BATCHNORM)
+def test_batchnorm_dropout_resnet_resumes_bit_exact_after_sigkill(world, batchnorm, tmp_path):
     from tests.test_ditto import kill_mid_run
     from tests.test_resume import command, contents, run
 
-    job, outs = resnet_runs
+    ref = world.file(RESNET_REFERENCE[batchnorm])
+    job = tmp_path / "job.toml"
+    job.write_text(_resnet(batchnorm))
     for attempt in range(3):
         path = tmp_path / f"k{attempt}.h5"
         if kill_mid_run(command(3, "run", str(job), "--out", str(path)), path, 1.0 + attempt):
@@ -378,7 +393,7 @@ def test_batchnorm_dropout_resnet_resumes_bit_exact_after_sigkill(resnet_runs, t
     else:
         pytest.fail("the job finished before every kill point")
     run(3, "run", str(job), "--out", str(path), "--resume")
-    got, want = contents(path), contents(outs[3])
+    got, want = contents(path), contents(ref)
     for key in want:
         assert np.array_equal(got[key], want[key], equal_nan=True), key
 
@@ -413,63 +428,69 @@ algorithm = "fedavg"
 clients_per_round = 4
 """
 
+REGRESSION_RUNS = {ranks: _run(f"anymodel-regression-{ranks}", _job_text(REGRESSION), ranks)
+                   for ranks in (1, 3)}
+REGRESSION_REPORT = world_run("anymodel-regression-report",
+                              ["report", "{dir}/anymodel-regression-3.h5"], ranks=1)
+#: stopped after round 3 (its checkpoint), resumed to 6 on 3 ranks
+REGRESSION_PART = _run("anymodel-regression-part", _job_text(REGRESSION), 3, "run.rounds=3")
+REGRESSION_RESUMED = world_run("anymodel-regression-resumed", [
+    "resume", "{dir}/anymodel-regression-part.h5", "--rounds", "6", "--no-progress"], ranks=3)
 
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_regression_with_mse_under_mpi_summarises_losses(tmp_path):
-    from tests.test_resume import contents, run
 
-    job = _job(tmp_path, REGRESSION)
-    outs = [tmp_path / "a.h5", tmp_path / "b.h5"]
-    run(1, "run", str(job), "--out", str(outs[0]))
-    run(3, "run", str(job), "--out", str(outs[1]))
-    a, b = contents(outs[0]), contents(outs[1])
+def test_regression_with_mse_under_mpi_summarises_losses(world):
+    from tests.test_resume import contents
+
+    a, b = (contents(world.file(REGRESSION_RUNS[ranks])) for ranks in (1, 3))
     assert np.allclose(a["model/global"], b["model/global"], atol=1e-5)
     assert np.isnan(b["eval/client_accuracy"]).all()
     mean = b["eval/loss/mean"]
     assert (np.diff(mean) < 0).all() and np.allclose(mean, np.nanmean(b["eval/client_loss"], 1))
-    report = subprocess.run([sys.executable, "-m", "mpifl", "report", str(outs[1])],
-                            capture_output=True, text=True, check=True).stdout
+    assert world.status(REGRESSION_REPORT) == 0, world.output(REGRESSION_REPORT)[-2000:]
+    report = world.output(REGRESSION_REPORT)
     assert "mean loss" in report and "mean acc" not in report
-    # stopped after round 3 (its checkpoint), resumed to 6 on 3 ranks: the same run exactly
-    part = tmp_path / "c.h5"
-    run(3, "run", str(job), "--out", str(part), "--set", "run.rounds=3")
-    run(3, "resume", str(part), "--rounds", "6")
-    c = contents(part)
+    # the run stopped after round 3 and resumed to 6 on 3 ranks is the same run exactly
+    assert world.status(REGRESSION_PART) == 0
+    c = contents(world.file(REGRESSION_RESUMED, "anymodel-regression-part.h5"))
     for key in (k for k in b if k.startswith(("model/", "eval/"))):
         assert np.array_equal(c[key], b[key], equal_nan=True), key
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("change,message", [
+def _refused(world, run, message: str) -> None:
+    """The world run ``run`` exited 2 with ``message``, no traceback and no results file."""
+    output = world.output(run)
+    assert world.status(run) == 2, output[-2000:]
+    assert message in output and "Traceback" not in output, output[-2000:]
+    assert not world.path(f"{run.name}.h5").exists()
+
+
+LOSS_REFUSALS = [
     ('loss = "mse"', "model.loss: 'mse' needs float targets"),
     ('loss = "bce"', "model.loss: 'bce' is a two-class loss"),
     ('loss = "no_such_loss"', "model.loss: unknown loss 'no_such_loss'"),
-])
-def test_a_loss_that_does_not_fit_the_data_is_one_line_and_exit_2(tmp_path, change, message):
-    from tests.test_resume import run
-
-    text = RESNET.replace('loss = "smoothed_ce"', change)
-    out = tmp_path / "x.h5"
-    proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(out), code=2)
-    assert message in proc.stderr and "Traceback" not in proc.stderr
-    assert not out.exists()
+]
+LOSS_RUNS = [_run(f"anymodel-loss-{i}", _job_text(RESNET.replace('loss = "smoothed_ce"', change)))
+             for i, (change, _) in enumerate(LOSS_REFUSALS)]
 
 
-def test_a_rule_that_needs_labels_refuses_a_regression_loss(tmp_path):
-    from tests.test_resume import run
-
-    text = REGRESSION.replace('algorithm = "fedavg"', 'algorithm = "fedfa"')
-    proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(tmp_path / "x.h5"), code=2)
-    assert "'fedfa' needs class labels" in proc.stderr
+@pytest.mark.parametrize("case", range(len(LOSS_REFUSALS)))
+def test_a_loss_that_does_not_fit_the_data_is_one_line_and_exit_2(world, case):
+    _refused(world, LOSS_RUNS[case], LOSS_REFUSALS[case][1])
 
 
-def test_vmap_pinned_for_a_batchnorm_model_is_refused(tmp_path):
-    from tests.test_resume import run
+NEEDS_LABELS = _run("anymodel-fedfa-regression",
+                    _job_text(REGRESSION.replace('algorithm = "fedavg"', 'algorithm = "fedfa"')))
+PINNED_VMAP = _run("anymodel-pinned-vmap",
+                   _job_text(RESNET.replace("lr = 0.05", 'lr = 0.05\ntrainer = "vmap"')))
 
-    text = RESNET.replace("lr = 0.05", 'lr = 0.05\ntrainer = "vmap"')
-    proc = run(1, "run", str(_job(tmp_path, text)), "--out", str(tmp_path / "x.h5"), code=2)
-    assert "client.trainer: 'vmap' cannot train this model exactly" in proc.stderr
+
+def test_a_rule_that_needs_labels_refuses_a_regression_loss(world):
+    _refused(world, NEEDS_LABELS, "'fedfa' needs class labels")
+
+
+def test_vmap_pinned_for_a_batchnorm_model_is_refused(world):
+    _refused(world, PINNED_VMAP,
+             "client.trainer: 'vmap' cannot train this model exactly")
 
 
 # --------------------------------------------------------------------------- failing plugins
@@ -521,34 +542,59 @@ class RaisingRule(Aggregator):
     def aggregate(self, r):
         raise ValueError("no consensus")
 '''
+#: the faulty plugin's module name (the world imports it once for all its runs: a name of
+#: this module's own)
+FAULTY_MODULE = "any_model_faulty"
+
+
+def _faulty_job(old: str, new: str, folder: str) -> str:
+    return (f'[plugins]\nmodules = ["mpifl_models", "{FAULTY_MODULE}"]\n'
+            f'path = ["{EXAMPLES}", "{folder}"]\n'
+            + REGRESSION.replace("rounds = 6", "rounds = 2").replace(old, new))
+
+
+#: (old, new, ranks, message): the failures that end every rank in order, in the world
+PLUGIN_FAILURES = [
+    ("", "", 1, None),  # the unchanged job runs: the failures below are the changes'
+    ('dataset = "sensor_regression"', 'dataset = "broken_loader"', 1,
+     f"data set 'broken_loader' ({FAULTY_MODULE}:broken_loader) failed to load: OSError: "
+     "sensor archive unreadable"),
+    ('algorithm = "fedavg"', 'algorithm = "short_step"', 3,
+     f"rule 'short_step' ({FAULTY_MODULE}:ShortStep): aggregate returned a step of shape "
+     "(160,), expected (161,)"),
+    ('algorithm = "fedavg"', 'algorithm = "raising_rule"', 1,
+     f"rule 'raising_rule' ({FAULTY_MODULE}:RaisingRule) failed to aggregate: ValueError: "
+     "no consensus"),
+]
+PLUGIN_RUNS = [_run(f"anymodel-plugin-{i}", _faulty_job(old, new, "{dir}"), ranks,
+                    files={f"{FAULTY_MODULE}.py": FAULTY})
+               for i, (old, new, ranks, _) in enumerate(PLUGIN_FAILURES)]
+
+
+@pytest.mark.parametrize("case", range(len(PLUGIN_FAILURES)))
+def test_a_failing_plugin_is_named_with_its_phase(world, case):
+    run, message = PLUGIN_RUNS[case], PLUGIN_FAILURES[case][3]
+    output = world.output(run)
+    if message is None:
+        assert world.status(run) == 0, output[-2000:]
+        return
+    assert world.status(run) == 2, output[-2000:]
+    assert message in output, output[-2000:]
+    assert "Traceback" not in output
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("old,new,ranks,message", [
-    ("", "", 1, None),  # the unchanged job runs: the failures below are the changes'
-    ('name = "mlp"', 'name = "fragile"', 3,
-     "model 'fragile' (faulty:fragile) failed to train: RuntimeError: kaboom in forward"),
-    ('dataset = "sensor_regression"', 'dataset = "broken_loader"', 1,
-     "data set 'broken_loader' (faulty:broken_loader) failed to load: OSError: sensor archive "
-     "unreadable"),
-    ('algorithm = "fedavg"', 'algorithm = "short_step"', 3,
-     "rule 'short_step' (faulty:ShortStep): aggregate returned a step of shape (160,), "
-     "expected (161,)"),
-    ('algorithm = "fedavg"', 'algorithm = "raising_rule"', 1,
-     "rule 'raising_rule' (faulty:RaisingRule) failed to aggregate: ValueError: no consensus"),
-])
-def test_a_failing_plugin_is_named_with_its_phase(tmp_path, old, new, ranks, message):
+def test_a_model_failing_on_the_workers_is_named_with_its_phase(tmp_path):
+    """A worker's failure in training ends every rank with MPI_Abort, which would end the
+    shared world too: on real ranks."""
     from tests.test_resume import run
 
-    (tmp_path / "faulty.py").write_text(FAULTY)
+    (tmp_path / f"{FAULTY_MODULE}.py").write_text(FAULTY)
     job = tmp_path / "job.toml"
-    job.write_text(f'[plugins]\nmodules = ["mpifl_models", "faulty"]\n'
-                   f'path = ["{EXAMPLES}", "{tmp_path}"]\n'
-                   + REGRESSION.replace("rounds = 6", "rounds = 2").replace(old, new))
+    job.write_text(_faulty_job('name = "mlp"', 'name = "fragile"', str(tmp_path)))
     out = tmp_path / "x.h5"
-    if message is None:
-        run(ranks, "run", str(job), "--out", str(out))
-        return
-    proc = run(ranks, "run", str(job), "--out", str(out), code=2)
+    proc = run(3, "run", str(job), "--out", str(out), code=2)
+    message = (f"model 'fragile' ({FAULTY_MODULE}:fragile) failed to train: RuntimeError: "
+               "kaboom in forward")
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
