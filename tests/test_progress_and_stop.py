@@ -4,8 +4,8 @@
 The oracle of a stopped run is the same run uninterrupted: a SIGTERM during a streamed full
 evaluation (a lazy population, ``run.eval_window_samples``) or during training, then
 ``mpifl resume``, gives the same results file bit for bit (times, memory and bytes aside), in
-one process and under ``mpiexec -n 3``. The ETA arithmetic is checked on an injected clock
-against sums done by hand.
+one process and under ``mpiexec -n 3``; the uninterrupted runs come from the shared MPI world
+(tests/world.py). The ETA arithmetic is checked on an injected clock against sums done by hand.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pytest
 from mpifl.runtime.plan import RoundPlan
 from mpifl.runtime.progress import ProgressLog
 from tests.helpers import mpiexec
+from tests.world import world_run
 
 #: A full evaluation of 1,500 clients of a lazy population in windows of ~1,000 samples (~4
 #: clients, ~375 windows: seconds on this machine) after round 2 and the last, sampled ones
@@ -83,6 +84,20 @@ clients_per_round = 60
 """
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MEASURED = ("time_", "peak_rss", "bytes")
+
+
+def _reference(name: str, ranks: int, text: str, for_mpi: bool = False):
+    """The uninterrupted run of the job ``text``, in the shared world."""
+    return world_run(f"stop-{name}", ["run", f"{{dir}}/stop-{name}.toml", "--out",
+                                       f"{{dir}}/stop-{name}.h5", "--no-progress"],
+                     ranks=ranks, files={f"stop-{name}.toml": text}, for_mpi=for_mpi)
+
+
+#: (ranks, rounds) -> the streamed-evaluation job's reference (the 3-rank one for the mpi tier)
+EVAL_REF = {(1, 3): _reference("eval-1", 1, EVAL_JOB),
+            (3, 2): _reference("eval-3", 3, EVAL_JOB.replace("rounds = 3", "rounds = 2"),
+                               for_mpi=True)}
+TRAIN_REF = _reference("train", 1, TRAIN_JOB)
 
 
 def command(ranks: int, *args: str) -> list[str]:
@@ -147,17 +162,17 @@ def rounds_and_evals(path: Path) -> tuple[list, list, str]:
                 str(f.attrs["status"]))
 
 
-@pytest.mark.mpi
 @pytest.mark.parametrize("ranks, rounds", [
-    (1, 3),  # resumed: the evaluation after round 2, then round 3
-    pytest.param(3, 2, marks=pytest.mark.slow),  # resumed: the last evaluation, nothing after
+    # resumed: the evaluation after round 2, then round 3 (one process: no mpiexec)
+    pytest.param(1, 3, marks=pytest.mark.slow),
+    # resumed: the last evaluation, nothing after
+    pytest.param(3, 2, marks=[pytest.mark.mpi, pytest.mark.slow]),
 ])
-def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(tmp_path, ranks,
+def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(world, tmp_path, ranks,
                                                                          rounds):
     job = tmp_path / "job.toml"
     job.write_text(EVAL_JOB.replace("rounds = 3", f"rounds = {rounds}"))
-    ref, out = tmp_path / "ref.h5", tmp_path / "stopped.h5"
-    run(ranks, "run", str(job), "--out", str(ref))
+    ref, out = world.file(EVAL_REF[ranks, rounds]), tmp_path / "stopped.h5"
 
     code, seconds, err = stop_at(ranks, f"progress: round 2/{rounds}, evaluation: ", "run",
                                  str(job), "--out", str(out))
@@ -183,11 +198,10 @@ def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(tmp_p
 
 
 @pytest.mark.slow
-def test_sigterm_during_training_drops_the_round_and_resume_is_exact(tmp_path):
+def test_sigterm_during_training_drops_the_round_and_resume_is_exact(world, tmp_path):
     job = tmp_path / "job.toml"
     job.write_text(TRAIN_JOB)
-    ref, out = tmp_path / "ref.h5", tmp_path / "stopped.h5"
-    run(1, "run", str(job), "--out", str(ref))
+    ref, out = world.file(TRAIN_REF), tmp_path / "stopped.h5"
 
     code, _, err = stop_at(1, "progress: round 2/2, training", "run", str(job), "--out", str(out))
     assert code == 3, err[-3000:]
