@@ -1,12 +1,11 @@
 """Token inputs: data sets of (N, T) int64 token ids, sequence targets with the padding id, the
 ``token_cross_entropy`` loss, a model check on the run's own samples, and plugin models (a
 char-LSTM, a small transformer) trained, evaluated and resumed exactly from a folder outside
-the repository, on one process and on 3 MPI ranks."""
+the repository, on one process and on 3 MPI ranks (the runs come from the shared MPI world,
+tests/world.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from mpifl.data.registry import PAD, DataPool, DataShape
 from mpifl.models import get_loss
 from mpifl.models.zoo import build_model, model_params, model_traits
 
-from .helpers import mpiexec
+from tests.world import world_run
 
 PLUGIN = textwrap.dedent('''
     """Toy text for mpifl's tests: per-client Markov chains over 12 characters."""
@@ -137,13 +136,25 @@ def outside(tmp_path_factory) -> Path:
     return folder
 
 
-def _cli(args: list[str], cwd: Path, ranks: int = 0):
-    cmd = [sys.executable, "-m", "mpifl", *args, "--no-progress"]
-    if ranks:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res
+#: the plugin and the job side by side in the shared MPI world's folder (tests/world.py)
+FILES = {"toy_text.py": PLUGIN, "tokens.toml": JOB}
+
+
+def _run(name: str, ranks: int, *sets: str):
+    """A world run of the job with ``--set`` words ``sets``; its results ``{name}.h5``."""
+    words = [x for s in sets for x in ("--set", s)]
+    return world_run(name, ["run", "{dir}/tokens.toml", *words, "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress"], ranks=ranks, files=FILES)
+
+
+LSTM = {ranks: _run(f"tokens-lstm-{ranks}", ranks) for ranks in (1, 3)}
+LSTM_PART = _run("tokens-lstm-part", 3, "run.rounds=2")
+LSTM_RESUMED = world_run("tokens-lstm-resumed", ["resume", "{dir}/tokens-lstm-part.h5",
+                                                 "--rounds", "6", "--no-progress"], ranks=3)
+SEQUENCES = ["data.dataset=toy_sequences", "model.name=toy_transformer",
+             "model.loss=token_cross_entropy", "run.rounds=4", "client.lr=0.3"]
+TRAINERS = {trainer: _run(f"tokens-sequences-{trainer}", 1, *SEQUENCES,
+                          f"client.trainer={trainer}") for trainer in ("loop", "vmap")}
 
 
 def _model(path: Path) -> np.ndarray:
@@ -224,30 +235,19 @@ def test_model_check_runs_on_the_runs_own_token_ids(outside, monkeypatch):
 # --------------------------------------------------------------------------- whole runs
 
 
-@pytest.mark.mpi
-def test_char_lstm_plugin_trains_on_three_ranks_and_resumes_exactly(outside, tmp_path):
-    one, three, part = tmp_path / "one.h5", tmp_path / "three.h5", tmp_path / "part.h5"
-    log = _cli(["run", "job.toml", "--out", str(one)], outside).stderr
-    assert "loop trainer" in log  # no vmap batching rule for the LSTM on a CPU
-    _cli(["run", "job.toml", "--out", str(three)], outside, ranks=3)
+def test_char_lstm_plugin_trains_on_three_ranks_and_resumes_exactly(world):
+    one, three = world.file(LSTM[1]), world.file(LSTM[3])
+    assert "loop trainer" in world.output(LSTM[1])  # no vmap batching rule for the LSTM on a CPU
     assert np.array_equal(_model(one), _model(three))
-    _cli(["run", "job.toml", "--set", "run.rounds=2", "--out", str(part)], outside, ranks=3)
-    _cli(["resume", str(part), "--rounds", "6"], tmp_path, ranks=3)
-    assert np.array_equal(_model(part), _model(three))
+    assert world.status(LSTM_PART) == 0  # 2 rounds on 3 ranks, resumed to 6
+    assert np.array_equal(_model(world.file(LSTM_RESUMED, "tokens-lstm-part.h5")),
+                          _model(three))
     acc = _eval(one)
     assert acc[-1] > 3 / 12  # it learns the chains (chance: 1/12)
 
 
-@pytest.mark.slow
-def test_sequence_targets_train_vmap_equal_to_the_loop(outside, tmp_path):
-    common = ["--set", "data.dataset=toy_sequences", "--set", "model.name=toy_transformer",
-              "--set", "model.loss=token_cross_entropy",
-              "--set", "run.rounds=4", "--set", "client.lr=0.3"]
-    loop, vmapped = tmp_path / "loop.h5", tmp_path / "vmap.h5"
-    _cli(["run", "job.toml", *common, "--set", "client.trainer=loop", "--out", str(loop)],
-         outside)
-    _cli(["run", "job.toml", *common, "--set", "client.trainer=vmap", "--out", str(vmapped)],
-         outside)
+def test_sequence_targets_train_vmap_equal_to_the_loop(world):
+    loop, vmapped = world.file(TRAINERS["loop"]), world.file(TRAINERS["vmap"])
     np.testing.assert_allclose(_model(vmapped), _model(loop), rtol=0, atol=1e-4)
     acc = _eval(loop)
     assert np.isfinite(acc).all() and acc[-1] > acc[0]
