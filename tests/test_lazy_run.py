@@ -3,9 +3,9 @@ clients of each request (a worker's block of the round, a sampled evaluation, a 
 streamed full evaluation) into its trainer's sample store.
 
 The eager run of the same config is the oracle: every trained and evaluated value of the
-results file is the same bit for bit, in one process and under mpiexec, and a streamed
-evaluation in many windows equals the one-window evaluation. Memory does not grow with K beyond
-O(K) small vectors: a measured slope, not a timing.
+results file is the same bit for bit, on 1 and 3 MPI ranks (runs of the shared MPI world,
+tests/world.py), and a streamed evaluation in many windows equals the one-window evaluation.
+Memory does not grow with K beyond O(K) small vectors: a measured slope, not a timing.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
+from mpifl.cli import main
 from mpifl.experiment.assemble import build_parts, make_adapter, make_trainer
 from mpifl.experiment.config import load_config
 from mpifl.experiment.plan import make_plan
 from mpifl.runtime import backends
-from tests.helpers import mpiexec
+from tests.world import world_run
 
 JOB = """
 [run]
@@ -51,19 +52,44 @@ clients_per_round = 12
 MEASURED = ("time_", "peak_rss", "bytes")
 
 
-def run(tmp: Path, out: str, *sets: str, ranks: int = 1, job: str = JOB,
-        check: bool = True) -> subprocess.CompletedProcess:
-    path = tmp / "job.toml"
-    path.write_text(job)
-    launch = [mpiexec(), "-n", str(ranks)] if ranks > 1 else []
-    args = [a for s in sets for a in ("--set", s)]
-    proc = subprocess.run([*launch, sys.executable, "-m", "mpifl", "run", str(path), "--out",
-                           str(tmp / out), "--no-progress", *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=tmp)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+def run(name: str, *sets: str, ranks: int = 1, job: str = "lazy.toml"):
+    """A world run (tests/world.py) of the job file ``job`` into ``{dir}/<name>.h5``."""
+    return world_run(name, ["run", f"{{dir}}/{job}", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress", *[a for s in sets for a in ("--set", s)]],
+                     ranks=ranks, files={"lazy.toml": JOB, **EXTRA_FILES})
+
+
+BN_MODULE = '''
+import torch.nn as nn
+
+
+def mlp_bn(input_shape, num_classes, **kw):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.BatchNorm1d(16),
+                         nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, num_classes))
+'''
+#: the loop trainer's job: a plugin model (a module name unique in the world's interpreters)
+BN_JOB = JOB.replace("[data]", '[plugins]\npath = ["."]\n[data]').replace(
+    'name = "mlp"\nhidden = [16]', 'name = "lazy_bnmods:mlp_bn"\nbatchnorm = "local"')
+EXTRA_FILES = {"lazy-bn.toml": BN_JOB, "lazy_bnmods.py": BN_MODULE}
+
+#: (algorithm, ranks) -> the lazy and the eager run
+PAIRS = {(a, r): tuple(run(f"lazy-{a}-{r}-{kind}", *lazy, f"server.algorithm={a}", ranks=r)
+                       for kind, lazy in (("lazy", ["data.lazy=true"]), ("eager", [])))
+         for a, r in (("fedfv", 3), ("fedavg", 1))}
+# Ditto's personal models, evaluation after local adaptation (the adapter's store is staged
+# too), a sampled evaluation with a full one at round 2 and at the end
+DITTO_SETS = ["server.algorithm=ditto", "run.adapt_epochs=1", "run.eval_clients=9",
+              "run.full_eval_every=2", "run.rounds=4"]
+DITTO = (run("lazy-ditto-lazy", "data.lazy=true", *DITTO_SETS),
+         run("lazy-ditto-eager", *DITTO_SETS))
+REFUSED = [(["data.dataset=fashion_mnist", "data.partition=shards"],
+            "data.lazy: 'fashion_mnist' cannot be loaded lazily (lazy: cifar100_like, "),
+           (["server.meta=true"], "data.lazy: FedMeta's meta step draws its meta set")]
+REFUSALS = [run(f"lazy-refused-{i}", "data.lazy=true", *sets) for i, (sets, _) in
+            enumerate(REFUSED)]
+BN_SETS = ["server.algorithm=fedavg", "client.batch_size=0"]
+BN = (run("lazy-bn-lazy", "data.lazy=true", *BN_SETS, job="lazy-bn.toml"),
+      run("lazy-bn-eager", *BN_SETS, job="lazy-bn.toml"))
 
 
 def datasets(path: Path) -> dict[str, np.ndarray]:
@@ -95,38 +121,28 @@ def assert_same_results(lazy: Path, eager: Path) -> None:
     assert compared >= 20
 
 
-@pytest.mark.mpi
 @pytest.mark.parametrize("algorithm, ranks", [("fedfv", 3), ("fedavg", 1)])
-def test_a_lazy_run_equals_the_eager_run(tmp_path, ranks, algorithm):
-    sets = [f"server.algorithm={algorithm}"]
-    run(tmp_path, "lazy.h5", "data.lazy=true", *sets, ranks=ranks)
-    run(tmp_path, "eager.h5", *sets, ranks=ranks)
-    assert_same_results(tmp_path / "lazy.h5", tmp_path / "eager.h5")
-    with h5py.File(tmp_path / "lazy.h5", "r") as f:
+def test_a_lazy_run_equals_the_eager_run(world, ranks, algorithm):
+    lazy, eager = (world.file(r) for r in PAIRS[algorithm, ranks])
+    assert_same_results(lazy, eager)
+    with h5py.File(lazy, "r") as f:
         acc = f["eval/client_accuracy"][()]
     assert acc.shape == (3, 60) and np.isfinite(acc).all()
 
 
-@pytest.mark.slow
-def test_personal_models_adaptation_and_sampled_evaluation_draw_their_clients(tmp_path):
-    # Ditto's personal models, evaluation after local adaptation (the adapter's store is
-    # staged too), a sampled evaluation with a full one at round 2 and at the end
-    sets = ["server.algorithm=ditto", "run.adapt_epochs=1", "run.eval_clients=9",
-            "run.full_eval_every=2", "run.rounds=4"]
-    run(tmp_path, "lazy.h5", "data.lazy=true", *sets)
-    run(tmp_path, "eager.h5", *sets)
-    assert_same_results(tmp_path / "lazy.h5", tmp_path / "eager.h5")
-    with h5py.File(tmp_path / "lazy.h5", "r") as f:
+def test_personal_models_adaptation_and_sampled_evaluation_draw_their_clients(world, capsys):
+    lazy, eager = (world.file(r) for r in DITTO)
+    assert_same_results(lazy, eager)
+    with h5py.File(lazy, "r") as f:
         tested = np.isfinite(f["eval/client_accuracy"][()]).sum(axis=1)
         adapted = np.isfinite(f["eval/adapted/client_accuracy"][()]).sum(axis=1)
     np.testing.assert_array_equal(tested, [9, 60, 9, 60])  # rounds 1..4: full at 2 and 4
     np.testing.assert_array_equal(adapted, tested)
+
     def report(*args: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "mpifl", "report",
-                               str(tmp_path / "lazy.h5"), *args],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
+        capsys.readouterr()
+        assert main(["report", str(lazy), *args]) == 0
+        return capsys.readouterr().out
 
     # the report says which of the evaluations it averages were estimates
     assert "1 of the 3 evaluations used tested 9 of 60 clients" in report()
@@ -171,18 +187,14 @@ def test_a_streamed_evaluation_equals_the_eager_one_in_any_windows(monkeypatch):
     assert len(backends.stream_blocks(lazy.fed, ids)) > 1
 
 
-@pytest.mark.parametrize("sets, message", [
-    (["data.dataset=fashion_mnist", "data.partition=shards"],
-     "data.lazy: 'fashion_mnist' cannot be loaded lazily (lazy: cifar100_like, "),
-    (["server.meta=true"], "data.lazy: FedMeta's meta step draws its meta set"),
-])
-def test_what_cannot_be_lazy_is_refused_in_one_line(tmp_path, sets, message):
-    proc = run(tmp_path, "bad.h5", "data.lazy=true", *sets, check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("mpifl: error:")]
-    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
-    assert not (tmp_path / "bad.h5").exists()
+@pytest.mark.parametrize("case", range(len(REFUSED)))
+def test_what_cannot_be_lazy_is_refused_in_one_line(world, case):
+    output, message = world.output(REFUSALS[case]), REFUSED[case][1]
+    assert world.status(REFUSALS[case]) == 2, output[-2000:]
+    assert "Traceback" not in output
+    lines = [ln for ln in output.splitlines() if ln.startswith("mpifl: error:")]
+    assert len(lines) == 1 and message in lines[0], output[-2000:]
+    assert not world.path(f"{REFUSALS[case].name}.h5").exists()
 
 
 def _peak_mb(tmp: Path, k: int) -> float:
@@ -211,26 +223,10 @@ def test_memory_does_not_grow_with_the_population_beyond_small_vectors(tmp_path)
     assert slope < 1000, f"{slope:.0f} bytes a client (peaks {peaks} MiB at K = {ks})"
 
 
-BN_MODULE = '''
-import torch.nn as nn
-
-
-def mlp_bn(input_shape, num_classes, **kw):
-    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0], 16), nn.BatchNorm1d(16),
-                         nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, num_classes))
-'''
-
-
-@pytest.mark.slow
-def test_the_loop_trainer_with_local_batchnorm_and_dropout_draws_its_clients(tmp_path):
+def test_the_loop_trainer_with_local_batchnorm_and_dropout_draws_its_clients(world):
     # the per-client loop (a model with buffers and random layers), each client's BatchNorm
     # statistics kept locally: the same staged store, the same bits
-    (tmp_path / "bnmods.py").write_text(BN_MODULE)
-    job = JOB.replace("[data]", '[plugins]\npath = ["."]\n[data]').replace(
-        'name = "mlp"\nhidden = [16]', 'name = "bnmods:mlp_bn"\nbatchnorm = "local"')
-    sets = ["server.algorithm=fedavg", "client.batch_size=0"]
-    run(tmp_path, "lazy.h5", "data.lazy=true", *sets, job=job)
-    run(tmp_path, "eager.h5", *sets, job=job)
-    assert_same_results(tmp_path / "lazy.h5", tmp_path / "eager.h5")
-    with h5py.File(tmp_path / "lazy.h5", "r") as f:
+    lazy, eager = (world.file(r) for r in BN)
+    assert_same_results(lazy, eager)
+    with h5py.File(lazy, "r") as f:
         assert f.attrs["trainer"] == "loop"
