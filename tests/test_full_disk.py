@@ -4,7 +4,8 @@ and leaves no temporary file; every rank exits 2 (no segfault, no h5py noise), a
 is freed `mpifl resume` ends with the model of an uninterrupted run, bit for bit. A live logger
 that cannot write is switched off with one warning and the run goes on.
 
-Real ranks (mpiexec -n 3) on real Fashion-MNIST; the disk is a real small tmpfs filled from
+Real ranks (mpiexec -n 3) on real Fashion-MNIST; the uninterrupted run they are compared with
+comes from the shared MPI world (tests/world.py); the disk is a real small tmpfs filled from
 outside (as root; skipped otherwise); the I/O error is a real EIO from a loop-mounted ext2
 whose device is shrunk under it (skipped where loop devices cannot be set up).
 """
@@ -30,6 +31,7 @@ from mpifl.store import checkpoint
 from mpifl.store.results import read_results
 from tests.helpers import fill_disk, small_fmnist_job, write_fmnist_job
 from tests.test_reliability import ENV, cmd, error_line, model_of, mpifl, tmpfs  # noqa: F401
+from tests.world import world_run
 
 ROUNDS = 12
 FILL_AFTER = 4  # rounds in the results file when the disk is filled
@@ -37,19 +39,24 @@ NOISE = ("Traceback", "Segmentation", "signal 11", "decrement id ref count", "Ex
          "BAD TERMINATION", "KILLED BY SIGNAL")
 
 
+JOB = small_fmnist_job("full", seed=5, rounds=ROUNDS, eval_every=2, checkpoint_every=3,
+                       partition='partition = "shards"', algorithm="fedfv")
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
-    return write_fmnist_job(tmp_path_factory, "full.toml", small_fmnist_job(
-        "full", seed=5, rounds=ROUNDS, eval_every=2, checkpoint_every=3,
-        partition='partition = "shards"', algorithm="fedfv"))
+    return write_fmnist_job(tmp_path_factory, "full.toml", JOB)
 
 
-@pytest.fixture(scope="module")
-def reference(job, tmp_path_factory) -> Path:
-    """The same job, uninterrupted, on the same 3 ranks."""
-    out = tmp_path_factory.mktemp("reference") / "ref.h5"
-    mpifl(3, "run", job, "--out", out, timeout=300)
-    return out
+def _whole(name: str, for_mpi: bool):
+    """The job, uninterrupted, on 3 ranks of the shared world."""
+    return world_run(name, ["run", "{dir}/full-disk.toml", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress"], files={"full-disk.toml": JOB}, for_mpi=for_mpi)
+
+
+#: the oracle of the resumed runs (the mpi tier), and a finished run to export (the other)
+REFERENCE = _whole("full-disk-ref", for_mpi=True)
+FINISHED = _whole("full-disk-finished", for_mpi=False)
 
 
 def rows_in(path: Path) -> int:
@@ -92,10 +99,11 @@ def run_and_fill(job: Path, out: Path, leave: int, *args: str) -> subprocess.Com
 @pytest.mark.mpi
 @pytest.mark.parametrize("leave,what", [(0, "results file|checkpoint"), (45_000, "checkpoint")],
                          ids=["next-write", "during-checkpoint"])
-def test_a_disk_filled_during_the_run_ends_cleanly_and_resumes_exactly(job, reference, tmpfs,
+def test_a_disk_filled_during_the_run_ends_cleanly_and_resumes_exactly(job, world, tmpfs,
                                                                        leave, what):
     """0 bytes left: the next write fails (a results write or the next checkpoint); 45 KB
     left: results rewrites (~25 KB) still fit, a checkpoint (~50 KB) fails half-written."""
+    reference = world.file(REFERENCE)
     mnt = tmpfs("3m")
     out = mnt / "run.h5"
     proc = run_and_fill(job, out, leave, "--log", "csv")
@@ -190,14 +198,14 @@ def test_the_csv_logger_on_a_full_disk_warns_once_keeps_whole_rows(tmpfs, caplog
     assert (len(rows) >= 5) == (when == "mid-run")
 
 
-@pytest.mark.mpi
-def test_an_export_to_a_full_disk_fails_in_one_line_and_keeps_nothing(reference, tmpfs):
+def test_an_export_to_a_full_disk_fails_in_one_line_and_keeps_nothing(world, tmpfs):
     from mpifl.report.export import export
 
+    finished = world.file(FINISHED)
     mnt = tmpfs("256k")
     fill_disk(mnt)
     with pytest.raises(OutputError) as err:
-        export([str(reference)], mnt / "tables", "csv")
+        export([str(finished)], mnt / "tables", "csv")
     message = str(err.value)
     assert re.fullmatch(rf"cannot write export table {re.escape(str(mnt))}/tables/\w+\.csv: No "
                         "space left on device", message), message
