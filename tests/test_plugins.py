@@ -1,7 +1,7 @@
 """Users' own rules, models, data sets and partitions: the registries, the ``[plugins]`` config
 key, the ``mpifl.plugins`` entry points, the vmap contract for models, and the worked example in
 examples/plugin/ run from a folder outside the repository (one process and 3 MPI ranks, resume,
-sweep, benchmark)."""
+sweep, benchmark; the 3-rank runs come from the shared MPI world, tests/world.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from mpifl.data import load_federated
 from mpifl.experiment.config import load_config
 from mpifl.models import build_model, check_model
 
-from .helpers import mpiexec
+from .world import world_run
 from .test_training import assert_same, make_data, run_both, split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,10 +68,8 @@ def example(outside):
     return mpifl_example
 
 
-def _cli(args: list[str], cwd: Path, ranks: int = 0, timeout: int = 300):
+def _cli(args: list[str], cwd: Path, timeout: int = 300):
     cmd = [sys.executable, "-m", "mpifl", *args]
-    if ranks:
-        cmd = [mpiexec(), "-n", str(ranks), *cmd]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -257,22 +255,36 @@ def _final_model(path: Path) -> np.ndarray:
         return f["model/global"][()]
 
 
-@pytest.mark.mpi
-def test_example_runs_under_mpi_resumes_and_matches_one_process(outside, tmp_path):
-    """From outside the repository: 3 MPI ranks == 1 process; 10 rounds then resume to 20 ==
-    20 rounds straight."""
-    one, three, part = tmp_path / "one.h5", tmp_path / "three.h5", tmp_path / "part.h5"
-    res = _cli(["run", "job.toml", "--out", str(one), "--no-progress"], outside)
+#: the example's job on 3 ranks in the shared MPI world (tests/world.py): the world's folder
+#: cannot hold the package, so the job names it on plugins.path
+EXAMPLE_JOB = {"plugin-example.toml": (EXAMPLE / "job.toml").read_text().replace(
+    "[plugins]\n", f'[plugins]\npath = ["{EXAMPLE}"]\n', 1)}
+THREE = world_run("plugin-example-3", ["run", "{dir}/plugin-example.toml", "--out",
+                                       "{dir}/plugin-example-3.h5", "--no-progress"],
+                  files=EXAMPLE_JOB)
+PART = world_run("plugin-example-part", ["run", "{dir}/plugin-example.toml", "--set",
+                                         "run.rounds=10", "--out", "{dir}/plugin-example-part.h5",
+                                         "--no-progress"], files=EXAMPLE_JOB)
+RESUMED = world_run("plugin-example-resumed", ["resume", "{dir}/plugin-example-part.h5",
+                                               "--rounds", "20", "--no-progress"])
+
+
+@pytest.mark.slow
+def test_example_runs_under_mpi_resumes_and_matches_one_process(world, outside, tmp_path):
+    """From outside the repository, in fresh processes: 10 rounds on 1 process, resumed to 20
+    from another folder (the paths are stored) == 3 MPI ranks; on 3 ranks, 10 rounds then
+    resume to 20 == 20 rounds straight."""
+    one = tmp_path / "one.h5"
+    res = _cli(["run", "job.toml", "--set", "run.rounds=10", "--out", str(one),
+                "--no-progress"], outside)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = _cli(["run", "job.toml", "--out", str(three), "--no-progress"], outside, ranks=3)
-    assert res.returncode == 0, res.stderr[-3000:]
-    np.testing.assert_allclose(_final_model(three), _final_model(one), rtol=0, atol=1e-5)
-    res = _cli(["run", "job.toml", "--set", "run.rounds=10", "--out", str(part),
-                "--no-progress"], outside, ranks=3)
-    assert res.returncode == 0, res.stderr[-3000:]
-    res = _cli(["resume", str(part), "--rounds", "20", "--no-progress"], tmp_path, ranks=3)
+    res = _cli(["resume", str(one), "--rounds", "20", "--no-progress"], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]  # from another folder: paths are stored
-    assert np.array_equal(_final_model(part), _final_model(three))
+    three = world.file(THREE)
+    np.testing.assert_allclose(_final_model(three), _final_model(one), rtol=0, atol=1e-5)
+    assert world.status(PART) == 0, world.output(PART)[-3000:]
+    assert np.array_equal(_final_model(world.file(RESUMED, "plugin-example-part.h5")),
+                          _final_model(three))
     with h5py.File(one, "r") as f:
         acc = f["eval/mean"][()]
         assert json.loads(f.attrs["config"])["server"]["algorithm"] == "trimmed_mean"
