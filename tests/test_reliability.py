@@ -2,6 +2,8 @@
 no results truncated before the resume point is known, full disks, checksums on read, SIGINT,
 stale temporaries and path tricks. Real MPI ranks (mpiexec), real HDF5 files on real
 Fashion-MNIST, a real small tmpfs for the full disk (mounted here as root, skipped otherwise).
+The finished runs the tests copy, damage or compare with come from the shared MPI world
+(tests/world.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mpifl.core.locking import RunLock, lock_path
 from mpifl.store import checkpoint
 from mpifl.store.results import MetricSet, ResultsWriter, read_results
 from tests.helpers import mpiexec, small_fmnist_job, write_fmnist_job
+from tests.world import world_run
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 SHARDS = 'partition = "shards"'
@@ -70,19 +73,34 @@ def wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+JOB = small_fmnist_job("rel", seed=4, rounds=4, eval_every=2, checkpoint_every=2,
+                       partition=SHARDS, algorithm="fedfv")
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
-    return write_fmnist_job(tmp_path_factory, "rel.toml", small_fmnist_job(
-        "rel", seed=4, rounds=4, eval_every=2, checkpoint_every=2, partition=SHARDS,
-        algorithm="fedfv"))
+    return write_fmnist_job(tmp_path_factory, "rel.toml", JOB)
 
 
-@pytest.fixture(scope="module")
-def finished(job, tmp_path_factory) -> Path:
-    """A finished 4-round run (one process) with its checkpoints, copied by the tests."""
-    out = tmp_path_factory.mktemp("finished") / "done.h5"
-    mpifl(1, "run", job, "--out", out)
-    return out
+def _world(name: str, *sets: str, for_mpi: bool = False):
+    """The job in one process of the shared world, with ``--set`` words ``sets``."""
+    return world_run(name, ["run", "{dir}/reliability.toml", "--out", f"{{dir}}/{name}.h5",
+                            "--no-progress", *[x for s in sets for x in ("--set", s)]],
+                     ranks=1, files={"reliability.toml": JOB}, for_mpi=for_mpi)
+
+
+#: the finished run of each tier (the same run twice: tests marked mpi read the first)
+FINISHED_MPI = _world("reliability-finished-mpi", for_mpi=True)
+FINISHED = _world("reliability-finished")
+#: a run of another seed, whose checkpoints are put in a finished run's place
+OTHER = _world("reliability-other", "run.seed=9", "run.rounds=2")
+
+
+@pytest.fixture
+def finished(request, world) -> Path:
+    """A finished 4-round run (one process) with its checkpoints, copied by the tests (never
+    changed: it is the world's)."""
+    return world.file(FINISHED_MPI if request.node.get_closest_marker("mpi") else FINISHED)
 
 
 def copy_run(src: Path, dst_folder: Path, name: str = "run.h5") -> Path:
@@ -176,12 +194,14 @@ def test_setup_failures_on_rank_0_end_every_rank_with_one_line(finished, tmp_pat
     t0 = time.monotonic()
     proc = mpifl(2, "resume", run, "--rounds", "0", code=2, timeout=120)
     assert "--rounds 0" in error_line(proc.stderr)
-    # a results file damaged beyond HDF5 and no checkpoint: refused, not a hang
+    # a results file damaged beyond HDF5 and no checkpoint: refused, not a hang. Both refusals
+    # are raised by plan_start on rank 0 inside the same set-up stage ("start plan"), which
+    # hands any exception to every rank alike: one process shows this one is refused cleanly
     damaged = tmp_path / "damaged.h5"
     raw = bytearray(finished.read_bytes())
     raw[600:700] = bytes(100)
     damaged.write_bytes(bytes(raw))
-    proc = mpifl(2, "resume", damaged, code=2, timeout=120)
+    proc = mpifl(1, "resume", damaged, code=2, timeout=120)
     assert "damaged results file" in error_line(proc.stderr)
     assert time.monotonic() - t0 < 120
 
@@ -236,9 +256,8 @@ def test_resume_without_a_checkpoint_refuses_and_keeps_the_results(finished, job
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_another_run_is_refused(finished, job, tmp_path):
-    other = tmp_path / "other.h5"
-    mpifl(1, "run", job, "--out", other, "--set", "run.seed=9", "--set", "run.rounds=2")
+def test_a_checkpoint_of_another_run_is_refused(finished, job, world, tmp_path):
+    other = world.file(OTHER)
     run = copy_run(finished, tmp_path)
     import shutil
 
@@ -345,8 +364,8 @@ def test_old_files_are_read_and_impossible_values_refused(finished, tmp_path):
 
 # -- 7. SIGINT, stale temporaries, path tricks ---------------------------------------------------
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow),  # no mpiexec
+                                   pytest.param(2, marks=pytest.mark.mpi)])
 def test_sigint_checkpoints_and_exits_3_then_resume_is_exact(finished, job, tmp_path, ranks):
     """Ctrl-C: to the process, or to mpiexec's process group (hydra forwards it to the ranks)."""
     out = tmp_path / "int.h5"
