@@ -1,11 +1,10 @@
 """The benchmark jobs as a new user runs them: files in the published formats (LEAF's JSON,
 TFF's h5) in the documented folders of a data root, each job shrunk with ``--set`` only, on 3
-MPI ranks, killed after half its rounds and resumed bit for bit."""
+MPI ranks of the shared world (tests/world.py), stopped after half its rounds and resumed bit
+for bit."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -17,18 +16,16 @@ from mpifl.data.leaf import ALL_LETTERS
 from mpifl.experiment.budget import check_budget, estimate
 from mpifl.experiment.config import load_config
 
-from .helpers import mpiexec
 from .test_published_readers import _h5, _leaf_dir, _leaf_file
+from .world import world_run
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "how do i merge two sorted lists in python without a loop".split()
 
 
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory) -> Path:
+def write_published(root: Path) -> Path:
     """12 writers, roles, users or clients of LEAF's FEMNIST and Shakespeare (all_data JSON)
-    and TFF's StackOverflow and FedCIFAR100 (h5)."""
-    root = tmp_path_factory.mktemp("published")
+    and TFF's StackOverflow and FedCIFAR100 (h5), in the data root ``root``."""
     rng = np.random.default_rng(0)
     writers = {f"f{k:04d}": (rng.random((16, 784)).round(3).tolist(),
                              rng.integers(0, 62, 16).tolist()) for k in range(12)}
@@ -49,29 +46,9 @@ def data_root(tmp_path_factory) -> Path:
     return root
 
 
-def _run(args: list[str], cwd: Path) -> None:
-    cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", *args, "--no-progress"]
-    res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
-
-
 def _model(path: Path) -> np.ndarray:
     with h5py.File(path, "r") as f:
         return f["model/global"][()]
-
-
-def _resumes_exactly(job: str, root: Path, tmp_path: Path, shrink: list[str]) -> np.ndarray:
-    sets = [a for kv in [f"data.data_root={str(root)!r}", "run.rounds=4", "run.eval_every=2",
-                         "run.checkpoint_every=2", *shrink] for a in ("--set", kv)]
-    whole, part = tmp_path / "whole.h5", tmp_path / "part.h5"
-    _run(["run", str(ROOT / "jobs" / job), *sets, "--out", str(whole)], tmp_path)
-    _run(["run", str(ROOT / "jobs" / job), *sets, "--set", "run.rounds=2", "--out", str(part)],
-         tmp_path)
-    _run(["resume", str(part), "--rounds", "4"], tmp_path)
-    assert np.array_equal(_model(part), _model(whole))
-    with h5py.File(whole, "r") as f:
-        return f["eval/mean"][()]
 
 
 #: job -> the --set shrinking it to a test's size (the data, the cohort, the model's widths)
@@ -90,11 +67,49 @@ SHRUNK = {
 }
 
 
-@pytest.mark.mpi
+#: The world's ``files`` are text files beside its runs; TFF's files are binary and every format
+#: sits in sub-folders. So a first world run (``mpifl check`` of FedAvg: a second on one rank)
+#: imports this plugin from its working directory, the world's folder, and the plugin writes
+#: the data root there.
+MAKER = """from pathlib import Path
+
+from tests.test_benchmark_jobs import PUBLISHED, write_published
+
+write_published(Path(__file__).parent / PUBLISHED)
+"""
+PUBLISHED = "bench-jobs-published"
+DATA = world_run("bench-jobs-data", ["check", "fedavg", "--plugins", "bench_jobs_data",
+                                     "--rounds", "2", "--split", "1"],
+                 ranks=1, files={"bench_jobs_data.py": MAKER})
+
+
+def _runs(job: str) -> tuple:
+    """The job on 3 ranks: all 4 rounds, 2 of them, and those 2 resumed to 4."""
+    name = f"bench-jobs-{Path(job).stem}"
+    sets = [a for kv in [f"data.data_root='{{dir}}/{PUBLISHED}'", "run.rounds=4",
+                         "run.eval_every=2", "run.checkpoint_every=2", *SHRUNK[job]]
+            for a in ("--set", kv)]
+    whole, part = (world_run(f"{name}-{kind}", ["run", str(ROOT / "jobs" / job), *sets, *extra,
+                                                "--out", f"{{dir}}/{name}-{kind}.h5",
+                                                "--no-progress"])
+                   for kind, extra in (("whole", []), ("part", ["--set", "run.rounds=2"])))
+    resumed = world_run(f"{name}-resumed", ["resume", f"{{dir}}/{name}-part.h5", "--rounds", "4",
+                                            "--no-progress"])
+    return whole, part, resumed
+
+
+RUNS = {job: _runs(job) for job in SHRUNK}
+
+
 @pytest.mark.parametrize("job", list(SHRUNK))
-def test_a_benchmark_job_on_published_files_resumes_exactly(job, data_root, tmp_path):
-    acc = _resumes_exactly(job, data_root, tmp_path, SHRUNK[job])
-    assert np.isfinite(acc).all()
+def test_a_benchmark_job_on_published_files_resumes_exactly(job, world):
+    assert world.status(DATA) == 0, world.output(DATA)[-3000:]
+    whole, part, resumed = RUNS[job]
+    assert world.status(part) == 0, world.output(part)[-3000:]
+    stopped = world.file(resumed, f"{part.name}.h5")
+    assert np.array_equal(_model(stopped), _model(world.file(whole)))
+    with h5py.File(world.file(whole), "r") as f:
+        assert np.isfinite(f["eval/mean"][()]).all()
 
 
 def test_the_budget_sizes_the_benchmarks_before_loading(tmp_path):
