@@ -174,16 +174,19 @@ def test_pcg64_stays_the_default():
     assert isinstance(w.x, np.ndarray)
 
 
-def test_a_lazy_counter_run_in_one_process(tmp_path):
+from tests.test_lazy_run import assert_same_results, run  # noqa: E402 -- its job: 60 clients, 3 rounds
+
+#: the same job, lazy and eager, on the counter generator (one process each, the shared world)
+COUNTER_RUNS = {kind: run(f"counter-{kind}", *lazy, "data.params.generator=counter")
+                for kind, lazy in (("lazy", ["data.lazy=true"]), ("eager", []))}
+
+
+def test_a_lazy_counter_run_in_one_process(world):
     """A short run on a lazy counter population equals the eager run of the same config (the
     windows staged in the trainer as CPU tensors; every trained value the same bits)."""
-    from tests.test_lazy_run import assert_same_results, run  # its job: 60 clients, 3 rounds
-
-    sets = ("data.params.generator=counter",)
-    run(tmp_path, "lazy.h5", "data.lazy=true", *sets)
-    run(tmp_path, "eager.h5", *sets)
-    assert_same_results(tmp_path / "lazy.h5", tmp_path / "eager.h5")
-    with h5py.File(tmp_path / "lazy.h5", "r") as f:
+    lazy, eager = world.file(COUNTER_RUNS["lazy"]), world.file(COUNTER_RUNS["eager"])
+    assert_same_results(lazy, eager)
+    with h5py.File(lazy, "r") as f:
         assert '"counter"' in str(f.attrs["config"])  # the --set reached the data set
 
 

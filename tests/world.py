@@ -67,6 +67,18 @@ class WorldRun:
 _RUNS: dict[str, WorldRun] = {}
 
 
+def _declaring_module() -> str:
+    """The test module being imported that declares a run (through a helper of another
+    module, too): the innermost module-level frame of a ``tests`` module on the stack; else
+    (a run declared in a function) the module of :func:`world_run`'s caller."""
+    frames = inspect.stack(0)[2:]  # no source lines: only names are read
+    for info in frames:
+        name = info.frame.f_globals.get("__name__", "")
+        if info.function == "<module>" and name.startswith("tests."):
+            return name
+    return frames[0].frame.f_globals["__name__"]
+
+
 def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, str] | None = None,
               env: dict[str, str] | None = None, for_mpi: bool = False) -> WorldRun:
     """Declare the run ``name`` (``mpifl ARGV`` on ``ranks`` ranks) of the shared world.
@@ -80,7 +92,7 @@ def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, st
         for_mpi: read by tests marked ``mpi`` or ``slurm`` (the reference of a kill-and-resume
             test), so started in the real-rank tier's world rather than the in-process tier's.
     """
-    caller = inspect.stack()[1].frame.f_globals["__name__"]
+    caller = _declaring_module()
     run = WorldRun(name, tuple(argv), ranks, caller, tuple(sorted((files or {}).items())),
                    tuple(sorted((env or {}).items())), for_mpi)
     if name in _RUNS and _RUNS[name] != run:

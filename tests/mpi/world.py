@@ -10,6 +10,11 @@ the command line's own entry point, on a communicator of that size, so the run i
 other ranks wait without spinning. Each rank's stdout and stderr of run ``name`` go to
 ``name.out.<rank>`` beside the manifest; rank 0 writes the exit status to ``name.status`` last,
 so a status file means the run ended.
+
+Each run starts from what a fresh process has (:func:`_isolated`): what an earlier run's
+plugins registered (rules, models, losses, data sets, their config tables), imported and put
+on ``sys.path`` is taken away again, and torch's thread count is put back, so no run sees
+another's plugins and every rank of a run has the same registries.
 """
 
 from __future__ import annotations
@@ -57,13 +62,63 @@ def _environment(extra: dict[str, str]):
                 os.environ[k] = v
 
 
+def _module_state() -> list[dict]:
+    """The dicts that registering a plugin changes: every :class:`mpifl.core.registry.Registry`
+    of mpifl's imported modules, and the data sets' file layouts."""
+    from mpifl.core.registry import Registry
+    from mpifl.data import roots
+
+    found = {id(roots.LAYOUTS): roots.LAYOUTS, id(roots.SOURCES): roots.SOURCES}
+    for name, module in list(sys.modules.items()):
+        if name == "mpifl" or name.startswith("mpifl."):
+            for value in list(vars(module).values()):
+                if isinstance(value, Registry):
+                    found[id(value._entries)] = value._entries
+    return list(found.values())
+
+
+def _fresh(module) -> bool:
+    """Whether a module imported during a run is a plugin's (not mpifl's, not installed)."""
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    path = os.path.realpath(path)
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    mpifl_dir = os.path.dirname(os.path.realpath(sys.modules["mpifl"].__file__))
+    return not path.startswith(mpifl_dir + os.sep) and not any(
+        path.startswith(p + os.sep) for p in installed)
+
+
+@contextmanager
+def _isolated():
+    """What the run registers, imports from its plugins and adds to ``sys.path`` is undone
+    after it; torch's thread count is restored."""
+    import torch
+
+    import mpifl.cli  # noqa: F401 -- mpifl's own modules are shared by every run
+
+    states = [(d, dict(d)) for d in _module_state()]
+    modules, path, threads = set(sys.modules), list(sys.path), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        for d, before in states:
+            d.clear()
+            d.update(before)
+        for name in set(sys.modules) - modules:
+            if _fresh(sys.modules[name]):
+                del sys.modules[name]
+        sys.path[:] = path
+        torch.set_num_threads(threads)
+
+
 def _run_one(run: dict, sub, folder: Path) -> int:
     from mpifl.cli import main
     from mpifl.runtime.comm import communicator
 
     with _output_to(folder / f"{run['name']}.out.{sub.Get_rank()}"):
         try:
-            with communicator(sub), _environment(run.get("env", {})):
+            with _isolated(), communicator(sub), _environment(run.get("env", {})):
                 return int(main(list(run["argv"])))
         except SystemExit as exc:  # argparse's refusals
             return exc.code if isinstance(exc.code, int) else 2
