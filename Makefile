@@ -18,13 +18,13 @@ data:
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
 	else echo "Fashion-MNIST missing: sudo apt-get install dataset-fashion-mnist, or mpifl data fetch fashion_mnist"; exit 1; fi
 
-# SLURM for tests/test_slurm.py (a one-node cluster, slurm/local-cluster.sh) and GNU time (the
-# OS's peak memory of each rank in tests/test_cluster_comforts.py): Debian's packages.
+# SLURM for tests/slurm/test_slurm.py (a one-node cluster, slurm/local-cluster.sh) and GNU time (the
+# OS's peak memory of each rank in tests/mpi/test_cluster_comforts.py): Debian's packages.
 slurm-deps:
 	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && command -v ip >/dev/null && [ -x /usr/bin/time ]; then \
 	  echo "SLURM: $$(slurmctld -V)"; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurmctld slurmd munge iproute2 time; \
-	else echo "SLURM missing: sudo apt-get install slurmctld slurmd munge iproute2 time (tests/test_slurm.py and tests/test_multinode.py need them)"; exit 1; fi
+	else echo "SLURM missing: sudo apt-get install slurmctld slurmd munge iproute2 time (tests/slurm/test_slurm.py and tests/slurm/test_multinode.py need them)"; exit 1; fi
 
 demo: install data
 	mpiexec -n $(RANKS) python -m mpifl run jobs/fmnist-fedfv.toml --out runs/main.h5 --overwrite

@@ -9,7 +9,7 @@ no file of the repository:
 - ``reference/cli.md`` from the argparse parser (:func:`mpifl.cli.build_parser`, which adds
   ``mpifl sweep`` from :mod:`mpifl.sweep.cli`): every subcommand and argument with its help.
 
-``tests/test_site.py`` calls :func:`config_reference` and :func:`cli_reference` directly.
+``tests/inprocess/test_site.py`` calls :func:`config_reference` and :func:`cli_reference` directly.
 """
 
 from __future__ import annotations

@@ -1,10 +1,17 @@
-"""Test tiers: a test that starts a job launcher carries the marker of its tier.
+"""Test tiers: a test that starts a job launcher carries the marker of its tier, and lies in
+its tier's folder.
 
 ``make check`` runs the in-process tests on every core (pytest-xdist) and ``make test`` adds
 the tests marked ``mpi`` (they start ``mpiexec``) and ``slurm`` (they use the one-node SLURM
 cluster) one at a time, since their ranks already take every core. The markers are enforced,
 not trusted: while an unmarked test runs (set-up and fixtures included), starting ``mpiexec``,
 ``mpirun``, ``srun``, ``sbatch`` or ``salloc`` fails it with a line naming the marker it needs.
+
+The folders follow the tiers: tests/inprocess/ (in the pytest process, ``slow`` and
+``world`` ones included), tests/mpi/, tests/slurm/ and tests/gpu/ (``pytest -m gpu``). A test
+under tests/mpi/, tests/slurm/ or tests/gpu/ gets that folder's marker where it lacks it, and a
+test marked ``mpi`` or ``slurm`` anywhere but there (in tests/inprocess/, say) fails collection
+with one line, so the folder and the marker cannot disagree.
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ from tests import world as shared_world
 LAUNCHERS = {"mpiexec": "mpi", "mpirun": "mpi", "mpiexec.hydra": "mpi", "srun": "slurm",
              "sbatch": "slurm", "salloc": "slurm", "local-cluster.sh": "slurm"}
 TIERS = ("mpi", "slurm")
+#: folder of tests/ -> the marker each of its tests carries (added where it lacks it)
+FOLDER_MARKERS = {"mpi": "mpi", "slurm": "slurm", "gpu": "gpu"}
+#: the folders where a test marked mpi or slurm may lie (tests/gpu/ holds both kinds)
+LAUNCHING_FOLDERS = ("mpi", "slurm", "gpu")
+TESTS = Path(__file__).resolve().parent
 
 
 def _launcher(args) -> str | None:
@@ -84,13 +96,48 @@ def pytest_runtest_call(item):
     yield from _phase(item)
 
 
+def _folder(path) -> str | None:
+    """The folder of tests/ that holds the test file ``path`` (``inprocess``, ``mpi``,
+    ``slurm``, ``gpu``), or None (tests/ itself, or outside it)."""
+    try:
+        parts = Path(path).resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 else None
+
+
+def _place(item) -> str | None:
+    """Give ``item`` the marker of its folder where it lacks it; the one line saying that a
+    test marked mpi or slurm lies outside tests/mpi/, tests/slurm/ and tests/gpu/, or None."""
+    folder = _folder(item.path)
+    marker = FOLDER_MARKERS.get(folder)
+    if marker is not None and item.get_closest_marker(marker) is None:
+        item.add_marker(marker)
+    tier = next((t for t in TIERS if item.get_closest_marker(t)), None)
+    if tier is None or folder in LAUNCHING_FOLDERS:
+        return None
+    where = ("lies in tests/inprocess/ (the in-process tier)" if folder == "inprocess"
+             else "lies outside tests/mpi/, tests/slurm/ and tests/gpu/")
+    return (f"{item.nodeid} is marked {tier} but {where}: move it to tests/{tier}/ "
+            "(tests/conftest.py)")
+
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    """A test that reads the shared world carries the marker ``world`` (before ``-m`` selects)."""
+def pytest_collection_modifyitems(config, items):
+    """Before ``-m`` selects: a test that reads the shared world carries the marker ``world``,
+    a test under tests/mpi/, tests/slurm/ or tests/gpu/ that folder's marker, and a test marked
+    mpi or slurm in any other folder is a collection error of one line (and is not run)."""
+    misplaced = set()
     for item in items:
         if "world" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.world)
+        line = _place(item)
+        if line is not None:
+            misplaced.add(item.nodeid)
+            config.hook.pytest_collectreport(
+                report=pytest.CollectReport(item.nodeid, "failed", line, []))
+    if misplaced:
+        items[:] = [item for item in items if item.nodeid not in misplaced]
 
 
 def _shared_folder(config) -> Path:

@@ -64,6 +64,23 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def free_port_pair() -> int:
+    """A port p with p and p+1 free (slurmctld, slurmd: the SLURM clusters of the tests)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.fail("no two consecutive free ports")
+
+
 def small_fmnist_job(name: str, *, seed: int, rounds: int, eval_every: int,
                      checkpoint_every: int, partition: str, algorithm: str) -> str:
     """TOML of a small job on real Fashion-MNIST for the MPI tests: 10 clients, 4 per round,

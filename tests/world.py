@@ -12,7 +12,7 @@ and a test reads them through the session fixture ``world`` (``tests/conftest.py
     def test_it(world):
         with h5py.File(world.file(FEDFV), "r") as f: ...
 
-The first test that asks starts **one** world (``tests/mpi/world.py``) that performs every
+The first test that asks starts **one** world (``tests/ranks/world.py``) that performs every
 declared run that the session's selected tests need, each on a sub-communicator of the ranks it
 asks for, through the command line's entry point (``mpifl.cli.main``); every other test, on any
 pytest-xdist worker, waits for it behind a file lock and reads the same files. Adding a run
@@ -38,7 +38,7 @@ import pytest
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "mpi" / "world.py"
+SCRIPT = ROOT / "tests" / "ranks" / "world.py"
 #: seconds the whole world may take (its runs are small; this bounds a hang)
 WORLD_TIMEOUT_S = 1800
 #: the name of the thread that starts the world

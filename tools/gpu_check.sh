@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one command on a CUDA node (repository root; `make gpu-check`): the node's
-# versions, `pytest -m gpu` (tests/test_gpu.py), then timed GPU runs of the benchmark jobs with
+# versions, `pytest -m gpu` (tests/gpu/test_gpu.py), then timed GPU runs of the benchmark jobs with
 # nvidia-smi sampling the GPU's busy fraction. Every log goes to $OUT (default /tmp/gpu-check):
 # info.txt, pytest.log, bench.log (each job's log and wall time), smi.csv. Under 8 minutes:
 # every step has its own timeout, cut to what is left of GPU_CHECK_BUDGET_S (465 s) from the
@@ -66,7 +66,7 @@ mark() { echo "== $(date -u +%H:%M:%S.%N | cut -c1-12) $*" | tee -a "$OUT/smi-ma
 # -- the tests ---------------------------------------------------------------------------------
 mark "pytest -m gpu"
 LIMIT=$(( $(left) < 200 ? $(left) : 200 )); [ "$LIMIT" -lt 10 ] && LIMIT=10
-timeout "$LIMIT" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/test_gpu.py \
+timeout "$LIMIT" "$PY" -m pytest -m gpu -q -p no:cacheprovider --durations=10 tests/gpu/test_gpu.py \
   > "$OUT/pytest.log" 2>&1
 echo "pytest exit $?" >> "$OUT/pytest.log"
 tail -25 "$OUT/pytest.log"

@@ -28,8 +28,9 @@ of ``||u_i||`` in the updates' space in the tests), and a dot product within rou
 may be projected in one and not in the other. That flip is harmless: the projection it
 decides moves ``g_i`` by ``|dots| / ||u_j||``, itself of the order of the rounding. Each step
 is the projection of ``g_i`` onto the half-space ``{x : x . u_j >= 0}``, a 1-Lipschitz map,
-so the rounding differences are not amplified by later steps (``tests/test_fedfv_batched.py``
-bounds them in the norm of the updates' space, ``sqrt(dC G dC^T)``).
+so the rounding differences are not amplified by later steps
+(``tests/inprocess/test_fedfv_batched.py`` bounds them in the norm of the updates' space,
+``sqrt(dC G dC^T)``).
 """
 
 from __future__ import annotations

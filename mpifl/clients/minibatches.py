@@ -114,7 +114,7 @@ def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.
 
     Client i (id ``client_ids[i]``, n_i = ``sizes[i]`` samples) takes ``E * ceil(n_i / B)``
     steps (E when B = 0): epoch e is :func:`batch_order` cut into runs of B, exactly the
-    minibatches of :func:`client_minibatches` (its oracle in tests/test_training.py). With
+    minibatches of :func:`client_minibatches` (its oracle in tests/inprocess/test_training.py). With
     ``order = "counter"`` the orders are drawn on ``device``, all clients and epochs at once;
     with ``"pcg64"`` on the host, one client at a time. The plan is assembled on ``device``.
 

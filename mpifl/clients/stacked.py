@@ -7,7 +7,7 @@ gradient of the *sum* of their minibatch losses with respect to the stacked para
 client's own gradient (client k's loss depends only on its slice). The arithmetic is the same
 as the vmapped path's up to float rounding (about 1e-7 relative), and it skips functorch's
 per-op wrapping: about 15% of a W1 training step on the 2-core VM (docs/BENCHMARKS.md). The
-vmapped path stays the general one and this one's oracle (tests/test_training.py).
+vmapped path stays the general one and this one's oracle (tests/inprocess/test_training.py).
 """
 
 from __future__ import annotations

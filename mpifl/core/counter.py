@@ -16,7 +16,7 @@ distinct and their ranking is a permutation without ties (:func:`orders_torch`).
 
 Two implementations: numpy's ``uint64`` arithmetic masked to 32 bits (the direct one, the
 oracle) and torch's ``int64`` with every product kept below 2^63 (the one that runs on the
-device); ``tests/test_counter.py`` holds them equal.
+device); ``tests/inprocess/test_minibatch_schedule.py`` holds them equal.
 """
 
 from __future__ import annotations
