@@ -21,9 +21,10 @@ from pathlib import Path
 
 PY = sys.executable
 #: pytest for the tiers: the in-process one on every core (a module's fixtures built once per
-#: worker with --dist loadfile), the real-rank one alone (its ranks take every core)
+#: worker with --dist loadfile); the real-rank one two files at a time: most of its time is
+#: spent waiting (for a kill point, a timeout, a SLURM daemon), and a file's tests stay in order
 IN_PROCESS = [PY, "-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile"]
-REAL_RANKS = [PY, "-m", "pytest", "-q"]
+REAL_RANKS = [PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
 
 #: (tier, commands, budget in seconds on a 2-core machine)
 TIERS = {
