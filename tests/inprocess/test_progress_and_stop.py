@@ -162,15 +162,14 @@ def rounds_and_evals(path: Path) -> tuple[list, list, str]:
                 str(f.attrs["status"]))
 
 
-@pytest.mark.parametrize("ranks, rounds", [
-    # resumed: the evaluation after round 2, then round 3 (one process: no mpiexec)
-    pytest.param(1, 3, marks=pytest.mark.slow),
-])
-def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(world, tmp_path, ranks,
-                                                                         rounds):
+def stop_a_streamed_evaluation_and_resume(ref: Path, tmp_path: Path, ranks: int,
+                                          rounds: int) -> None:
+    """SIGTERM during round 2's streamed evaluation of the job on ``ranks`` ranks: it stops at
+    a window with exit 3, the round kept and its evaluation not; ``mpifl resume`` evaluates it
+    first and ends equal to ``ref`` (tests/mpi/test_progress_and_stop.py on 3 ranks too)."""
     job = tmp_path / "job.toml"
     job.write_text(EVAL_JOB.replace("rounds = 3", f"rounds = {rounds}"))
-    ref, out = world.file(EVAL_REF[ranks, rounds]), tmp_path / "stopped.h5"
+    out = tmp_path / "stopped.h5"
 
     code, seconds, err = stop_at(ranks, f"progress: round 2/{rounds}, evaluation: ", "run",
                                  str(job), "--out", str(out))
@@ -193,6 +192,16 @@ def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(world
     assert rounds_and_evals(out) == (list(range(rounds)), list(range(1, rounds + 1)),
                                      "complete")
     assert_same(out, ref)
+
+
+@pytest.mark.parametrize("ranks, rounds", [
+    # resumed: the evaluation after round 2, then round 3 (one process: no mpiexec)
+    pytest.param(1, 3, marks=pytest.mark.slow),
+])
+def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(world, tmp_path, ranks,
+                                                                         rounds):
+    stop_a_streamed_evaluation_and_resume(world.file(EVAL_REF[ranks, rounds]), tmp_path, ranks,
+                                          rounds)
 
 
 @pytest.mark.slow

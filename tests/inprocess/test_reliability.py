@@ -269,8 +269,7 @@ def test_old_files_are_read_and_impossible_values_refused(finished, tmp_path):
 
 # -- 7. SIGINT, stale temporaries, path tricks ---------------------------------------------------
 
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow)])  # no mpiexec
-def test_sigint_checkpoints_and_exits_3_then_resume_is_exact(finished, job, tmp_path, ranks):
+def interrupt_and_resume(finished: Path, job: Path, tmp_path: Path, ranks: int) -> None:
     """Ctrl-C: to the process, or to mpiexec's process group (hydra forwards it to the ranks)."""
     out = tmp_path / "int.h5"
     proc = subprocess.Popen(cmd(ranks, "run", job, "--out", out, "--set", "run.rounds=400",
@@ -292,6 +291,11 @@ def test_sigint_checkpoints_and_exits_3_then_resume_is_exact(finished, job, tmp_
         np.testing.assert_array_equal(model_of(out), model_of(finished))
     else:  # another world size: equal to floating-point reduction order
         np.testing.assert_allclose(model_of(out), model_of(finished), atol=1e-5)
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow)])  # no mpiexec
+def test_sigint_checkpoints_and_exits_3_then_resume_is_exact(finished, job, tmp_path, ranks):
+    interrupt_and_resume(finished, job, tmp_path, ranks)
 
 
 def test_stale_temporaries_of_killed_writers_are_removed(finished, tmp_path):

@@ -7,12 +7,10 @@ leave the evaluation's EVAL progress channel together.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.inprocess.test_progress_and_stop import (EVAL_JOB, _reference, assert_same,
-                                                    rounds_and_evals, run, stop_at)
+from tests.inprocess.test_progress_and_stop import (EVAL_JOB, _reference,
+                                                    stop_a_streamed_evaluation_and_resume)
 
 #: (ranks, rounds) -> the streamed-evaluation job's reference on 3 ranks (the real-rank tier's
 #: world: tests/world.py)
@@ -26,28 +24,5 @@ EVAL_REF = {(3, 2): _reference("eval-3", 3, EVAL_JOB.replace("rounds = 3", "roun
 ])
 def test_sigterm_during_a_streamed_evaluation_stops_it_and_resume_is_exact(world, tmp_path, ranks,
                                                                          rounds):
-    job = tmp_path / "job.toml"
-    job.write_text(EVAL_JOB.replace("rounds = 3", f"rounds = {rounds}"))
-    ref, out = world.file(EVAL_REF[ranks, rounds]), tmp_path / "stopped.h5"
-
-    code, seconds, err = stop_at(ranks, f"progress: round 2/{rounds}, evaluation: ", "run",
-                                 str(job), "--out", str(out))
-    assert code == 3, err[-3000:]
-    # progress lines inside the evaluation, the phase named and counted
-    assert re.search(rf"progress: round 2/{rounds}, evaluation: [\d,]+/1,500 clients "
-                     r"\(\d+%\), \d+ s in", err), err[-3000:]
-    # stopped at a window, not at the end of the evaluation: fewer clients than all of them
-    stop = re.search(rf"stop requested \(SIGTERM\): checkpointed after round 2 of {rounds} "
-                     r"without its evaluation \(stopped at ([\d,]+) of 1,500 clients; "
-                     r"`mpifl resume` runs it first\)", err)
-    assert stop and int(stop.group(1).replace(",", "")) < 1500, err[-3000:]
-    assert seconds < 60, f"{seconds:.1f} s from SIGTERM to the exit"  # bounded (a few here)
-    # the round is kept, its evaluation is not
-    assert rounds_and_evals(out) == ([0, 1], [1], "running")
-
-    proc = run(ranks, "resume", str(out))
-    assert (f"round 2/{rounds}: its evaluation was stopped by the last run; evaluating first"
-            in proc.stderr)
-    assert rounds_and_evals(out) == (list(range(rounds)), list(range(1, rounds + 1)),
-                                     "complete")
-    assert_same(out, ref)
+    stop_a_streamed_evaluation_and_resume(world.file(EVAL_REF[ranks, rounds]), tmp_path, ranks,
+                                          rounds)

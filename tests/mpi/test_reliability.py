@@ -22,8 +22,8 @@ import pytest
 from mpifl.core.locking import lock_path
 from mpifl.store import checkpoint
 from mpifl.store.results import read_results
-from tests.inprocess.test_reliability import (ENV, _world, cmd, copy_run, error_line, model_of,
-                                              mpifl)
+from tests.inprocess.test_reliability import (ENV, _world, cmd, copy_run, error_line,
+                                              interrupt_and_resume, model_of, mpifl)
 from tests.inprocess.test_reliability import job, tmpfs  # noqa: F401 (fixtures)
 
 #: the finished run of this tier (tests/inprocess/test_reliability.py declares the same run)
@@ -135,24 +135,5 @@ def test_a_full_disk_under_mpi_ends_every_rank_with_one_line(job, tmpfs):
 
 @pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.mpi)])
 def test_sigint_checkpoints_and_exits_3_then_resume_is_exact(finished, job, tmp_path, ranks):
-    """Ctrl-C: to the process, or to mpiexec's process group (hydra forwards it to the ranks)."""
-    out = tmp_path / "int.h5"
-    proc = subprocess.Popen(cmd(ranks, "run", job, "--out", out, "--set", "run.rounds=400",
-                                "--set", "run.checkpoint_every=2"), start_new_session=True,
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        if "round 2/400" in line:
-            break
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    err = "".join(seen) + err
-    assert proc.returncode == 3, err[-3000:]
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert "stop requested (SIGINT)" in err
-    mpifl(ranks, "resume", out, "--rounds", "4")  # stored rounds=400 -> the finished run's 4
-    if ranks == 1:  # the same world size as `finished`: bit-exact
-        np.testing.assert_array_equal(model_of(out), model_of(finished))
-    else:  # another world size: equal to floating-point reduction order
-        np.testing.assert_allclose(model_of(out), model_of(finished), atol=1e-5)
+    """Ctrl-C to mpiexec's process group (hydra forwards it to the ranks)."""
+    interrupt_and_resume(finished, job, tmp_path, ranks)
