@@ -98,7 +98,7 @@ def run(config: str | Path | Mapping[str, Any], *, out: str | Path | None = None
     from mpifl.runtime.comm import communicator, launched_rank
 
     stop = StopRequest()
-    with _stop_signals(stop), _log_to_stderr(), \
+    with _stop_signals(stop), _log_to_stderr(), _callers_threads(), \
             communicator(comm) if comm is not None else nullcontext():
         status = run_experiment(load, mode=mode, progress=progress, stop=stop)
         rank = launched_rank()
@@ -179,6 +179,26 @@ class _stop_signals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self.saved.items():
             signal.signal(sig, handler)
+
+
+class _callers_threads:
+    """The caller's torch intra-op and BLAS thread counts come back after the run, which sets
+    its own (``run.threads``, mpifl.runtime.threads): a notebook keeps what it chose. Torch's
+    inter-op pool cannot be resized once used, so it is left as the first run sized it."""
+
+    def __enter__(self):
+        import torch
+        from threadpoolctl import threadpool_limits
+
+        self.torch_threads = torch.get_num_threads()
+        self.blas = threadpool_limits(limits=None, user_api="blas")  # records, sets nothing
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.set_num_threads(self.torch_threads)
+        self.blas.restore_original_limits()
 
 
 class _log_to_stderr:

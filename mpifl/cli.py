@@ -106,6 +106,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     if args.last < 1:
         raise MpiflError(f"--last {args.last}: expected at least 1 evaluation")
+    if args.target is not None and not 0 < args.target <= 100:  # nan fails the test too
+        raise MpiflError(f"--target {args.target}: expected a mean accuracy in percent, "
+                         "above 0 and at most 100")
     missing = [p for p in args.runs if not Path(p).exists()]
     if missing:
         raise MpiflError(f"no such file: {', '.join(missing)} (mpifl report takes results "

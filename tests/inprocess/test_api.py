@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import mpifl
 from mpifl.core.errors import ConfigError, OutputError
@@ -99,6 +100,28 @@ def test_the_callers_signal_handlers_come_back(job, tmp_path):
         assert signal.getsignal(signal.SIGINT) is interrupt
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_callers_thread_counts_come_back(job, tmp_path):
+    """The run sets its own thread count (run.threads); the notebook's comes back after it."""
+    from threadpoolctl import threadpool_info
+
+    before = torch.get_num_threads()
+    def blas():  # the BLAS libraries loaded (a run may load more: compare those loaded before)
+        return {lib["filepath"]: lib["num_threads"] for lib in threadpool_info()
+                if lib["user_api"] == "blas"}
+
+    before_blas = blas()
+    theirs = 1 if before != 1 else 2
+    torch.set_num_threads(theirs)
+    try:
+        mpifl.run(job, out=tmp_path / "threads.h5", progress=False,
+                  overrides={"run.rounds": 1, "run.threads": 3 - theirs})
+        assert torch.get_num_threads() == theirs
+        after = blas()
+        assert {path: after[path] for path in before_blas} == before_blas
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.slow

@@ -197,3 +197,22 @@ def test_the_architecture_table_lists_every_module():
             wrong[folder.name] = {"missing": sorted(modules - listed),
                                   "gone": sorted(listed - modules)}
     assert not wrong, f"docs/ARCHITECTURE.md's layer table is out of date: {wrong}"
+
+
+#: the quick start's commands that need an optional extra (pyproject.toml), and that extra
+QUICK_START_EXTRAS = {"mpifl plot": "plot", "mpifl report": "plot", "mpiexec": "mpi"}
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/tutorials/install.md"])
+def test_the_install_line_brings_what_the_quick_start_runs(page):
+    """A newcomer who copies the install line can run every command of the README's quick
+    start: its extras include each one those commands need (matplotlib for ``mpifl plot``,
+    tabulate for ``report``'s table, mpi4py and MPICH for ``mpiexec``)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quick = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    needed = {extra for command, extra in QUICK_START_EXTRAS.items() if command in quick}
+    assert needed, "the README's quick start runs none of the commands this test knows"
+    lines = re.findall(r'pip install -e "\.\[([a-z,]+)\]"',
+                       (ROOT / page).read_text(encoding="utf-8"))
+    assert lines, f"{page} has no install line"
+    assert needed <= set(lines[0].split(",")), (page, lines[0], needed)
