@@ -130,3 +130,12 @@ def test_default_output_used_by_run(job, tmp_path, monkeypatch):
         assert main(["run", str(job), "--set", f"server.algorithm={algo}", "--no-progress"]) == 0
     assert sorted(p.name for p in (tmp_path / "runs").glob("*.h5")) == [
         "tiny_fedavg.h5", "tiny_fedfv.h5"]
+
+
+@pytest.mark.parametrize("target", ["-1", "0", "200", "nan", "inf"])
+def test_report_target_outside_a_percentage_is_one_line(target, tmp_path, capsys):
+    """``--target`` is a mean accuracy in percent: outside (0, 100] it is refused in one line,
+    before any file is read (the file need not exist)."""
+    assert main(["report", str(tmp_path / "r.h5"), "--target", target]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mpifl: error: --target {float(target)}"), err
