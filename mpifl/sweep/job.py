@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from mpifl.core.errors import EXIT_BAD_INPUT
 from mpifl.runtime.signals import EXIT_CHECKPOINTED
 from mpifl.sweep.allocation import allocated_nodes, job_state, reshaped, srun_shape
+from mpifl.sweep.netmod import srun_env
 
 
 @dataclass
@@ -59,7 +60,8 @@ class MpiRun:
         for attempt in range(1, self.launches + 1):
             argv = _fit_to_allocation(self.argv) if self.slurm else self.argv
             _say(f"{self.id}: {shlex.join(argv)}")
-            rc = _run_forwarding(argv, {**os.environ, **self.env})
+            env = {**os.environ, **self.env}
+            rc = _run_forwarding(argv, {**env, **srun_env(env)} if self.slurm else env)
             if rc in (0, EXIT_BAD_INPUT, EXIT_CHECKPOINTED) or attempt == self.launches \
                     or not _may_retry():
                 break

@@ -84,11 +84,9 @@ def cluster(nodes: int = 3):
         pytest.skip("namespaces and SLURM daemons need root")
     # short: slurmstepd's unix sockets live under the spool folder (108-byte path limit)
     folder = Path(tempfile.mkdtemp(prefix="mfl-", dir="/tmp"))
-    # MPICH's libfabric netmod: its business card fits one PMI line (slurm/README.md "MPI_Init
-    # under srun"); the default UCX card sometimes breaks Slurm's PMI and with it MPI_Init
+    # no MPIR_CVAR_CH4_NETMOD: the templates choose MPICH's netmod (mpifl/sweep/netmod.py)
     env = dict(MPIFL_SLURM_DIR=str(folder), MPIFL_SLURM_PORT=str(free_port_pair()),
-               SLURM_CONF=str(folder / "etc" / "slurm.conf"), MPIFL_PYTHON=sys.executable,
-               MPIR_CVAR_CH4_NETMOD="ofi")
+               SLURM_CONF=str(folder / "etc" / "slurm.conf"), MPIFL_PYTHON=sys.executable)
     try:
         up = run("bash", SCRIPT, "up", "--nodes", str(nodes), **env)
         assert f"up: {nodes} nodes" in up.stderr
