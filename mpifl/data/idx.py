@@ -9,14 +9,16 @@ big-endian. Files may be gzip-compressed (detected by the gzip magic bytes, not 
 from __future__ import annotations
 
 import gzip
+import math
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mpifl.data.roots import locate_file
 from mpifl.core.errors import DataError
+from mpifl.data.bounds import check_memory
+from mpifl.data.roots import locate_file
 
 _DTYPES: dict[int, np.dtype[Any]] = {
     0x08: np.dtype(np.uint8),
@@ -29,16 +31,51 @@ _DTYPES: dict[int, np.dtype[Any]] = {
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _read_bytes(path: Path) -> bytes:
-    """The file's bytes, gunzipped if it is gzip data."""
+def _read_bytes(path: Path) -> tuple[bytes, bytes]:
+    """The file's header and data, gunzipped if it is gzip data, the size its header declares
+    compared before the data are read: with the file's size (plain files), with the memory
+    bound (gzip data, whose size is known only once decompressed).
+
+    Raises:
+        DataError: unreadable, not IDX, declared size larger than memory or than the file.
+    """
     try:
-        raw = path.read_bytes()
-        if raw[:2] == _GZIP_MAGIC:
-            raw = gzip.decompress(raw)
+        with open(path, "rb") as f:
+            gz = f.read(2) == _GZIP_MAGIC
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            head = f.read(4)
+            if len(head) < 4 or head[:2] != b"\0\0" or head[2] not in _DTYPES or head[3] == 0:
+                raise DataError(f"{path} is not an IDX file (bad magic number "
+                                f"{head.hex() or 'none'})")
+            head += f.read(4 * head[3])
+            if len(head) < 4 + 4 * head[3]:
+                raise DataError(f"IDX file {path} is truncated inside its header")
+            dims = tuple(int(d) for d in np.frombuffer(head, ">u4", offset=4))
+            # Python's integers: numpy's int64 product of four 65,536s wraps to 0
+            expected = len(head) + math.prod(dims) * _DTYPES[head[2]].itemsize
+            size = None if gz else path.stat().st_size
+            if size is None:
+                check_memory(expected, f"IDX file {path}: header {dims}")
+            elif size != expected:  # before anything is read: a damaged header reads nothing
+                _wrong_size(path, size, dims, expected)
+            body = f.read(expected - len(head) + 1)  # one byte more: trailing data
     except (OSError, EOFError, zlib.error) as exc:
         # gzip raises EOFError for a truncated stream and BadGzipFile (an OSError) for junk
         raise DataError(f"cannot read IDX file {path}: {exc}") from None
-    return raw
+    if len(head) + len(body) != expected:
+        _wrong_size(path, len(head) + len(body), dims, expected, gz)
+    return head, body
+
+
+def _wrong_size(path: Path, size: int, dims: tuple[int, ...], expected: int,
+                gz: bool = False) -> None:
+    """DataError: the file (gunzipped) has ``size`` bytes, its header needs ``expected``; of
+    gzip data one byte past ``expected`` at most was read."""
+    if size < expected:
+        what = f"truncated: {size} bytes"
+    else:
+        what = f"longer than its header says: {f'more than {expected}' if gz else size} bytes"
+    raise DataError(f"IDX file {path} is {what}, header {dims} needs {expected}")
 
 
 def read_idx(path: str | Path) -> np.ndarray:
@@ -47,27 +84,15 @@ def read_idx(path: str | Path) -> np.ndarray:
     Returns:
         array with the file's dims, dtype uint8/int8/int16/int32/float32/float64 (native order).
     Raises:
-        DataError: unreadable file, bad magic number, unknown type code, or a size that does not
-            match the header (truncated or trailing data).
+        DataError: unreadable file, bad magic number, unknown type code, a size that does not
+            match the header (truncated or trailing data), or a gzip file whose header
+            declares more than memory holds (:func:`mpifl.data.bounds.memory_bound`).
     """
     path = Path(path)
-    raw = _read_bytes(path)
-    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _DTYPES or raw[3] == 0:
-        raise DataError(f"{path} is not an IDX file (bad magic number {raw[:4].hex() or 'none'})")
-    dtype, ndim = _DTYPES[raw[2]], raw[3]
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"IDX file {path} is truncated inside its header")
-    dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
-    count = int(np.prod(dims, dtype=np.int64))
-    expected = header + count * dtype.itemsize
-    # Compare sizes before allocating anything: a damaged header must not cause a huge read.
-    if len(raw) != expected:
-        what = "truncated" if len(raw) < expected else "longer than its header says"
-        raise DataError(
-            f"IDX file {path} is {what}: {len(raw)} bytes, header {dims} needs {expected}"
-        )
-    arr = np.frombuffer(raw, dtype, count=count, offset=header).reshape(dims)
+    head, body = _read_bytes(path)
+    dtype = _DTYPES[head[2]]
+    dims = tuple(int(d) for d in np.frombuffer(head, ">u4", offset=4))
+    arr = np.frombuffer(body, dtype).reshape(dims)
     return arr.astype(dtype.newbyteorder("="))
 
 

@@ -35,7 +35,11 @@ Optimization", ICLR 2021):
 
 Checksums: TFF publishes the SHA-256 of the tarballs (:data:`TARBALLS`), not of the h5 files in
 them. When a tarball lies in the folder (``tf.keras.utils.get_file`` keeps it next to the files
-it extracts) it is verified once per process; the h5 files are checked for their layout only.
+it extracts) it is verified once per process; the h5 files are checked for their layout only:
+every feature's dtype class, rank and row shape (:func:`dataset`), the features of one example
+of equal row counts, EMNIST pixels finite, and the sizes the files declare against memory
+(:mod:`mpifl.data.bounds`) before they are read; one-line :class:`DataError` naming the file
+and the client.
 """
 
 from __future__ import annotations
@@ -51,12 +55,13 @@ import h5py
 import numpy as np
 
 from mpifl.core.errors import DataError
+from mpifl.data.bounds import check_memory
 from mpifl.data.registry import PAD
 
-__all__ = ["CHAR_VOCAB", "SO_SEQUENCE_LENGTH", "TARBALLS", "ClientIndex", "H5Part", "H5Source",
-           "char_rows", "cifar100", "emnist", "feature", "open_h5", "rows_of", "shakespeare",
-           "shakespeare_chunks", "stackoverflow", "stackoverflow_vocabulary", "verify_tarballs",
-           "word_rows", "write_rows"]
+__all__ = ["CHAR_VOCAB", "KINDS", "SO_SEQUENCE_LENGTH", "TARBALLS", "ClientIndex", "H5Part",
+           "H5Source", "char_rows", "cifar100", "dataset", "declared_bytes", "emnist", "feature",
+           "finite", "open_h5", "rows_of", "shakespeare", "shakespeare_chunks", "stackoverflow",
+           "stackoverflow_vocabulary", "verify_tarballs", "where", "word_rows", "write_rows"]
 
 #: TFF's Shakespeare characters (``char_prediction_preprocessing.CHAR_VOCAB``), ids 1..86.
 CHAR_VOCAB = ('dhlptx@DHLPTX $(,048cgkoswCGKOSW[_#\'/37;?bfjnrvzBFJNRVZ"&*.26:\naeimquyAEIMQUY]!%)'
@@ -178,12 +183,17 @@ class ClientIndex:
         return out
 
     def select(self, name: str, num_clients: int, size: Callable[[list[h5py.Group]], int],
-               cap: int | None = None) -> tuple[list[list[tuple[int, str]]], np.ndarray]:
+               cap: int | None = None, row_bytes: float = 0.0
+               ) -> tuple[list[list[tuple[int, str]]], np.ndarray]:
         """The first ``num_clients`` clients of at least 2 samples and their (K,) int64 sizes
         (``size`` of their groups, at most ``cap``), reading only their shapes.
 
+        Args:
+            row_bytes: bytes one sample takes once converted (its x and y rows): a client's
+                ``n * row_bytes`` is checked against :func:`mpifl.data.bounds.memory_bound`.
         Raises:
-            DataError: fewer such clients than asked for.
+            DataError: fewer such clients than asked for; a client whose samples would not fit
+                in memory (naming its file and id).
         """
         picked: list[list[tuple[int, str]]] = []
         sizes: list[int] = []
@@ -191,8 +201,11 @@ class ClientIndex:
             for client in self.clients:
                 if len(picked) == num_clients:
                     break
-                n = size(self.groups(roots, client))
+                groups = self.groups(roots, client)
+                n = size(groups)
                 n = n if cap is None else min(n, cap)
+                if n >= 2 and row_bytes:
+                    check_memory(n * row_bytes, f"{where(groups[0])}: its {n:,} samples")
                 if n >= 2:
                     picked.append(client)
                     sizes.append(n)
@@ -202,40 +215,100 @@ class ClientIndex:
         return picked, np.asarray(sizes, dtype=np.int64)
 
 
-def feature(groups: list[h5py.Group], key: str, inner: tuple[int, ...] | None = None
-            ) -> np.ndarray:
-    """Feature ``key`` of a client's groups, concatenated (train first).
+def where(g: h5py.Group) -> str:
+    """``"<file>: client '<id>'"``: a client's group named in a refusal."""
+    return f"{g.file.filename}: client {g.name.rsplit('/', 1)[-1]!r}"
+
+
+#: dtype classes a feature may be asked to have: (its test, its name in a refusal)
+KINDS: dict[str, tuple[Callable[[np.dtype], bool], str]] = {
+    "float": (lambda t: t.kind == "f", "floats"),
+    "integer": (lambda t: t.kind in "iu", "integers"),
+    "uint8": (lambda t: t == np.uint8, "uint8"),
+    "string": (lambda t: t.kind == "S" or h5py.check_string_dtype(t) is not None, "strings"),
+}
+#: bytes a variable-length string takes once read (a Python bytes object and its pointer): a
+#: floor, its characters come on top
+_OBJECT_BYTES = 48
+
+
+def dataset(g: h5py.Group, key: str, inner: tuple[int, ...] | None = None,
+            kind: str | None = None) -> h5py.Dataset:
+    """Feature ``key`` of one group, its declared shape and dtype checked, nothing read.
 
     Args:
-        inner: the expected shape of one row (checked), None for any.
+        inner: the expected shape of one row (``()``: a 1-D dataset), None for any.
+        kind: a key of :data:`KINDS` the dtype must be, None for any.
     Raises:
-        DataError: a group without the feature, or rows of another shape.
+        DataError: a missing feature, rows of another shape, another dtype (one line naming
+            the file and the client).
     """
-    out = []
-    for g in groups:
-        d = g.get(key)
-        if not isinstance(d, h5py.Dataset) or d.ndim < 1 or (
-                inner is not None and tuple(d.shape[1:]) != inner):
-            want = "" if inner is None else f" of rows {inner}"
-            raise DataError(f"{g.file.filename}: '{g.name}/{key}' is missing or not a dataset"
-                            f"{want}: not the published layout")
-        out.append(d[()])
+    d = g.get(key)
+    if not isinstance(d, h5py.Dataset) or d.ndim < 1 or (
+            inner is not None and tuple(d.shape[1:]) != inner):
+        want = "" if inner is None else f" of rows {inner}"
+        got = f" (it is {d.shape})" if isinstance(d, h5py.Dataset) else ""
+        raise DataError(f"{where(g)}: '{g.name}/{key}' is missing or not a dataset{want}{got}: "
+                        f"not the published layout")
+    if kind is not None and not KINDS[kind][0](d.dtype):
+        raise DataError(f"{where(g)}: '{g.name}/{key}' must hold {KINDS[kind][1]}, not "
+                        f"{d.dtype}: not the published layout")
+    return d
+
+
+def declared_bytes(d: h5py.Dataset) -> float:
+    """Bytes ``d[()]`` will take, from its shape and dtype (nothing read)."""
+    item = _OBJECT_BYTES if d.dtype.kind == "O" else d.dtype.itemsize
+    return float(np.prod(d.shape, dtype=np.float64)) * item
+
+
+def feature(groups: list[h5py.Group], key: str, inner: tuple[int, ...] | None = None,
+            kind: str | None = None) -> np.ndarray:
+    """Feature ``key`` of a client's groups, concatenated (train first); the declared sizes are
+    checked against :func:`mpifl.data.bounds.memory_bound` before anything is read.
+
+    Args:
+        inner, kind: the expected row shape and dtype class (:func:`dataset`).
+    Raises:
+        DataError: a group without the feature, rows of another shape or dtype, more rows
+            than memory holds.
+    """
+    sets = [dataset(g, key, inner, kind) for g in groups]
+    rows = sum(int(d.shape[0]) for d in sets)
+    inner_shape = f" of {sets[0].shape[1:]}" if sets[0].ndim > 1 else ""
+    check_memory(sum(declared_bytes(d) for d in sets),
+                 f"{where(groups[0])}: '{key}' of {rows:,} rows{inner_shape}")
+    out = [d[()] for d in sets]
     return np.concatenate(out) if len(out) > 1 else out[0]
 
 
-def rows_of(key: str) -> Callable[[list[h5py.Group]], int]:
-    """A client's sample count: the rows of feature ``key`` (its shape, nothing read)."""
+def rows_of(key: str, *same: str) -> Callable[[list[h5py.Group]], int]:
+    """A client's sample count: the rows of feature ``key`` (its shape, nothing read).
+
+    Args:
+        same: features that hold one row an example too: each group's must have as many rows
+            as its ``key`` (else the examples' rows would be paired wrongly).
+    """
     def size(groups: list[h5py.Group]) -> int:
+        n = 0
         for g in groups:
-            if not isinstance(g.get(key), h5py.Dataset):
-                raise DataError(f"{g.file.filename}: '{g.name}/{key}' is missing: not the "
-                                f"published layout")
-        return sum(int(g[key].shape[0]) for g in groups)
+            rows = int(dataset(g, key).shape[0])
+            for other in same:
+                m = int(dataset(g, other).shape[0])
+                if m != rows:
+                    raise DataError(f"{where(g)}: '{g.name}/{other}' has {m} rows, "
+                                    f"'{g.name}/{key}' {rows}: one row an example in each")
+            n += rows
+        return n
     return size
 
 
 def as_bytes(values: np.ndarray) -> list[bytes]:
-    """h5 strings (variable-length bytes or str, or fixed-length ``S``) as bytes."""
+    """h5 strings (variable-length bytes or str, or fixed-length ``S``) as bytes.
+
+    Raises:
+        UnicodeEncodeError: a str that is not valid Unicode (a lone surrogate).
+    """
     return [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in values.reshape(-1)]
 
 
@@ -344,20 +417,48 @@ def write_rows(dest: np.ndarray, src: np.ndarray, what: str, groups: list[h5py.G
 
 
 def _labels(groups: list[h5py.Group], key: str, classes: int) -> np.ndarray:
-    y = feature(groups, key).reshape(-1)
-    if y.dtype.kind not in "iu" or (y.size and (y.min() < 0 or y.max() >= classes)):
-        raise DataError(f"{groups[0].file.filename}: '{groups[0].name}/{key}' must hold integer "
-                        f"labels in 0..{classes - 1}")
+    """(n,) int64 labels of a client's groups, checked to be in 0..classes-1."""
+    y = feature(groups, key, (), "integer")
+    if y.size and (y.min() < 0 or y.max() >= classes):
+        raise DataError(f"{where(groups[0])}: '{groups[0].name}/{key}' must hold integer "
+                        f"labels in 0..{classes - 1} (found {y.min()}..{y.max()})")
     return y.astype(np.int64)
 
 
+def finite(groups: list[h5py.Group], key: str, x: np.ndarray) -> np.ndarray:
+    """``x`` (feature ``key`` of a client's groups) when every value is finite."""
+    bad = np.flatnonzero(~np.isfinite(x).all(axis=tuple(range(1, x.ndim))))
+    if len(bad):
+        raise DataError(f"{where(groups[0])}: '{key}' holds NaN or infinite values (row "
+                        f"{bad[0]} of {len(x)}, train rows first)")
+    return x
+
+
+#: bytes a sample takes while its client is converted (the rows read, their float32 or int64
+#: conversion, the x and y they are written to), for the memory check of a client's samples
+_EMNIST_ROW = 2 * (28 * 28 * 4 + 8)
+_CIFAR_ROW = 3 * 32 * 32 * (1 + 4 + 4) + 2 * 8
+
+
+def _token_row(length: int) -> int:
+    return (length + 1) * 8 + 2 * length * 8
+
+
 def emnist(folder: Path, num_clients: int) -> tuple[ClientIndex, Clients, np.ndarray, Convert]:
-    """Federated EMNIST (62 classes): x (n, 1, 28, 28) float32, y (n,) int64."""
+    """Federated EMNIST (62 classes): x (n, 1, 28, 28) float32, y (n,) int64.
+
+    Raises:
+        DataError: (when a client is read) pixels that are not finite floats of rows (28, 28),
+            labels outside 0..61, pixels and labels of different row counts.
+    """
     index = ClientIndex(_parts(folder, "fed_emnist"), pooled=True)
-    clients, sizes = index.select("tff_emnist", num_clients, rows_of("label"))
+    clients, sizes = index.select("tff_emnist", num_clients, rows_of("label", "pixels"),
+                                  row_bytes=_EMNIST_ROW)
 
     def convert(groups: list[h5py.Group], x: np.ndarray, y: np.ndarray) -> None:
-        write_rows(x[:, 0], feature(groups, "pixels", (28, 28)).astype(np.float32), "rows", groups)
+        with np.errstate(over="ignore"):  # a value beyond float32 becomes inf: refused next
+            px = feature(groups, "pixels", (28, 28), "float").astype(np.float32, copy=False)
+        write_rows(x[:, 0], finite(groups, "pixels", px), "rows", groups)
         write_rows(y, _labels(groups, "label", 62), "rows", groups)
     return index, clients, sizes, convert
 
@@ -374,14 +475,12 @@ def cifar100(folder: Path, num_clients: int, label: str, normalise: str
              ) -> tuple[ClientIndex, Clients, np.ndarray, Convert]:
     """FedCIFAR100: x (n, 3, 32, 32) float32, y (n,) int64 fine (100) or coarse (20) labels."""
     index = ClientIndex(_parts(folder, "fed_cifar100"), pooled=False)
-    clients, sizes = index.select("tff_cifar100", num_clients, rows_of("label"))
     key, classes = ("label", 100) if label == "fine" else ("coarse_label", 20)
+    clients, sizes = index.select("tff_cifar100", num_clients, rows_of(key, "image"),
+                                  row_bytes=_CIFAR_ROW)
 
     def convert(groups: list[h5py.Group], x: np.ndarray, y: np.ndarray) -> None:
-        img = feature(groups, "image", (32, 32, 3))
-        if img.dtype != np.uint8:
-            raise DataError(f"{groups[0].file.filename}: '{groups[0].name}/image' must be "
-                            f"uint8, got {img.dtype}")
+        img = feature(groups, "image", (32, 32, 3), "uint8")
         xf = np.multiply(img.transpose(0, 3, 1, 2), np.float32(1 / 255), dtype=np.float32)
         write_rows(x, _per_image(xf) if normalise == "per_image" else xf, "images", groups)
         write_rows(y, _labels(groups, key, classes), "images", groups)
@@ -389,7 +488,12 @@ def cifar100(folder: Path, num_clients: int, label: str, normalise: str
 
 
 def _strings(groups: list[h5py.Group], key: str) -> list[bytes]:
-    return as_bytes(feature(groups, key))
+    """Feature ``key`` of a client's groups: (n,) strings, as bytes."""
+    try:
+        return as_bytes(feature(groups, key, (), "string"))
+    except UnicodeEncodeError as exc:
+        raise DataError(f"{where(groups[0])}: '{key}' holds a string that is not valid Unicode "
+                        f"({exc.reason} at character {exc.start})") from None
 
 
 def shakespeare(folder: Path, num_clients: int) -> tuple[ClientIndex, Clients, np.ndarray, Convert]:
@@ -399,7 +503,8 @@ def shakespeare(folder: Path, num_clients: int) -> tuple[ClientIndex, Clients, n
     def size(groups: list[h5py.Group]) -> int:
         return sum(shakespeare_chunks(s) for s in _strings(groups, "snippets"))
 
-    clients, sizes = index.select("tff_shakespeare", num_clients, size)
+    clients, sizes = index.select("tff_shakespeare", num_clients, size,
+                                  row_bytes=_token_row(SHAKESPEARE_SEQUENCE_LENGTH))
 
     def convert(groups: list[h5py.Group], x: np.ndarray, y: np.ndarray) -> None:
         rows = char_rows(_strings(groups, "snippets"))
@@ -415,7 +520,8 @@ def stackoverflow(folder: Path, num_clients: int, vocab_size: int, sequence_leng
     ``max_client_samples`` sentences, train first, when set). Returns also the id count."""
     index = ClientIndex(_parts(folder, "stackoverflow"), pooled=True)
     clients, sizes = index.select("tff_stackoverflow", num_clients, rows_of("tokens"),
-                                  cap=max_client_samples)
+                                  cap=max_client_samples,
+                                  row_bytes=_token_row(sequence_length))
 
     def sentences() -> Iterator[list[bytes]]:
         with index.opened() as roots:
