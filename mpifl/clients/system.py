@@ -16,7 +16,9 @@ A synchronous round of client k with n_k training samples and E epochs takes (se
 
 the accounting of FedScale's simulator (Lai et al., "FedScale: Benchmarking Model and System
 Performance of Federated Learning at Scale", ICML 2022: compute time per sample times samples
-processed, plus model size over bandwidth each way), with a latency per transfer added.
+processed, plus model size over bandwidth each way), with a latency per transfer added. With
+``client.max_local_steps`` the samples processed are those of the client's capped steps
+(:func:`mpifl.clients.minibatches.trained_samples`) instead of ``E * n_k``.
 
 Draws (``[seed, SYSTEM_TAG]``, in this order, K values each): uniforms choosing the tier by its
 share; standard normals z_c giving ``seconds_per_sample = tier median * exp(spread * z_c)``;
@@ -49,6 +51,7 @@ import numpy.typing as npt
 from pydantic import Field, ValidationInfo, field_validator
 
 from mpifl.clients.traces import Intervals, read_availability_trace, read_device_trace
+from mpifl.core.errors import ConfigError, DataError
 from mpifl.core.params import Params, finite
 from mpifl.core.rng import SYSTEM_TAG
 
@@ -245,6 +248,81 @@ class SystemModel:
         until[live] = t + (on - into)[live]
         until[live & (on >= self.params.period_s)] = np.inf
         return until
+
+    def longest_window(self) -> np.ndarray:
+        """(K,) float64: each client's longest on-interval (s): ``inf`` when it is never
+        interrupted ("always", or available_fraction = 1), 0 for a client with no rows in an
+        availability trace."""
+        if self._intervals is not None:
+            iv = self._intervals
+            out = np.zeros(self.num_clients)
+            np.maximum.at(out, iv.owner, iv.end - iv.start)
+            return out
+        if self._phase is None:
+            return np.full(self.num_clients, np.inf)
+        on = self._on_length()
+        return np.where(on >= self.params.period_s, np.inf, on)
+
+    def check_rounds(self, num_samples: npt.ArrayLike, epochs: int,
+                     deadline_s: float | None = None) -> npt.NDArray[np.bool_]:
+        """Which clients can ever finish a round: its round time (:meth:`round_seconds`) is
+        finite, within ``deadline_s``, and fits in one of its on-intervals. Called before the
+        first round, so a run in which no client could ever finish is refused instead of
+        running every round without training.
+
+        Args:
+            num_samples: (n,) training samples of clients 0..n-1 (n = K in a run).
+            epochs: local epochs a round.
+            deadline_s: a synchronous round's deadline (s), or None.
+
+        Returns:
+            (n,) bool, True for the clients that can finish some round.
+
+        Raises:
+            DataError: a trace that makes a round time non-finite, that gives none of the K
+                clients an interval, or whose intervals are all too short for a round.
+            ConfigError: the same from ``[system]`` settings (tiers, periodic availability,
+                ``deadline_s``).
+        """
+        p, samples = self.params, np.asarray(num_samples, dtype=np.int64)
+        k = len(samples)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            seconds = self.round_seconds(np.arange(k), samples, epochs)
+        bad = np.flatnonzero(~np.isfinite(seconds))
+        if len(bad):
+            c = int(bad[0])
+            where = (DataError, f"{p.device_trace}") if p.device_trace is not None else (
+                ConfigError, "system.tiers")
+            raise where[0](f"{where[1]}: client {c}'s round time is not finite (download "
+                           f"{self.down_mbps[c]:g} Mbit/s, {self.seconds_per_sample[c]:g} s a "
+                           f"sample x {int(samples[c])} samples x {epochs} "
+                           f"epochs, upload {self.up_mbps[c]:g} Mbit/s): simulated time "
+                           "would be infinite")
+        window = self.longest_window()[:k]
+        if p.availability_trace is not None and not (window > 0).any():
+            raise DataError(f"{p.availability_trace}: no interval for any of the run's {k} "
+                            f"clients (0..{k - 1}): no client is ever available")
+        fits = seconds <= window  # as the clock compares: round time <= time left
+        quick = seconds <= (np.inf if deadline_s is None else deadline_s)
+        can = fits & quick
+        if can.any():
+            return can
+        if not quick.any():
+            c = int(np.argmin(seconds))
+            raise ConfigError(f"system.deadline_s = {deadline_s:g} s: no client can finish a "
+                              f"round within it; the fastest (client {c}) needs "
+                              f"{seconds[c]:.4g} s (download, {epochs} epoch(s) over its "
+                              f"{int(samples[c])} samples, upload)")
+        if not fits.any():
+            c = int(np.argmax(window / seconds))
+            what = (DataError, f"{p.availability_trace}") if p.availability_trace is not None \
+                else (ConfigError, "system.period_s, tiers' available_fraction")
+            raise what[0](f"{what[1]}: no client is available long enough to finish a round: "
+                          f"the best, client {c}, is on for at most {window[c]:.4g} s at a "
+                          f"time and needs {seconds[c]:.4g} s")
+        raise ConfigError(f"system.deadline_s = {deadline_s:g} s: the clients fast enough for "
+                          "it are never available long enough to finish a round; no client "
+                          "can ever finish one")
 
     def next_available(self, t: float) -> float:
         """The first time strictly after ``t`` (s) at which some client's on-interval starts

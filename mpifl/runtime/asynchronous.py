@@ -50,11 +50,12 @@ import torch
 
 from mpifl.aggregators import RoundInputs, RoundUpdates
 from mpifl.clients.faults import accepted, dropped_out
+from mpifl.clients.trainer import TrainingStopped
 from mpifl.core.errors import ConfigError, MpiflError
 from mpifl.core.rng import SAMPLING_TAG
 from mpifl.metrics.summary import count_conflicts, count_layer_conflicts
 from mpifl.clients.system import SystemModel
-from mpifl.runtime.clock import system_tables
+from mpifl.runtime.clock import check_trained, system_tables
 from mpifl.runtime.plan import RoundPlan
 from mpifl.runtime.server import Server, ServerSetup
 
@@ -137,10 +138,14 @@ class AsyncServer(Server):
         system: the clients' devices and availability (:class:`mpifl.clients.system.
             SystemModel`), or None: every client takes 1 simulated second, always available.
         epochs: local epochs a round (the system model's local work).
+        work: (K,) int64 samples each client's round goes through, when capped
+            (:class:`mpifl.runtime.clock.Clock`'s); None: ``epochs`` epochs over its data.
 
     Raises:
         ConfigError: a rule that is not asynchronous or lacks ``buffer_size``/``concurrency``,
             or a sharded server.
+        ConfigError, DataError: no client could ever finish (:meth:`mpifl.clients.system.
+            SystemModel.check_rounds`).
     """
 
     #: per-client counters: name -> dtype (checkpointed, written to /system/clients)
@@ -148,7 +153,7 @@ class AsyncServer(Server):
                 "busy_s": np.float64}
 
     def __init__(self, plan: RoundPlan, parts: ServerSetup, *, system: SystemModel | None = None,
-                 epochs: int = 1) -> None:
+                 epochs: int = 1, work: np.ndarray | None = None) -> None:
         super().__init__(plan, parts)
         agg, name = self.aggregator, self.plan.rule
         if not agg.needs.asynchronous:
@@ -167,6 +172,10 @@ class AsyncServer(Server):
             raise ConfigError(f"{name}: need 1 <= buffer_size ({self.buffer}) <= concurrency "
                               f"({self.concurrency})")
         self.system, self.epochs = system, int(epochs)
+        self._work = (self.fed.num_train, self.epochs) if work is None else (
+            np.asarray(work, dtype=np.int64), 1)
+        if system is not None:  # refuse before the first step a run in which nobody finishes
+            system.check_rounds(*self._work)
         k = self.fed.num_clients
         self.now = 0.0
         self.flight = Flight.empty()
@@ -186,7 +195,7 @@ class AsyncServer(Server):
         """(finish, until): when ``ids`` started at ``t`` would finish, and leave."""
         if self.system is None:
             return np.full(len(ids), t + 1.0), np.full(len(ids), np.inf)
-        seconds = self.system.round_seconds(ids, self.fed.num_train[ids], self.epochs)
+        seconds = self.system.round_seconds(ids, self._work[0][ids], self._work[1])
         return t + seconds, np.asarray(self.system.available_until(ids, t), dtype=np.float64)
 
     def _next_available(self, t: float) -> float:
@@ -279,9 +288,13 @@ class AsyncServer(Server):
         for v in np.unique(versions):
             group = ids[versions == v]
             state = self.local.of(group).to(w.device) if self.local is not None else None
-            res = self.clients.train(int(v), self.plan.lr_at(int(v)), group,
-                                     self._model(int(v), rnd, w), inputs, state,
-                                     phase=lambda name: lines.begin(name, rnd + 1))
+            try:
+                res = self.clients.train(int(v), self.plan.lr_at(int(v)), group,
+                                         self._model(int(v), rnd, w), inputs, state,
+                                         phase=lambda name: lines.begin(name, rnd + 1))
+            except TrainingStopped:  # abandoned between steps: nothing of the step is kept
+                self._training_stopped()
+                return None
             # the transport's reply is a view of a buffer the next call reuses: copy it
             res.updates, res.losses = res.updates.clone(), res.losses.clone()
             res.stats = {k: x.clone() for k, x in res.stats.items()}
@@ -365,6 +378,10 @@ class AsyncServer(Server):
         self.flight, self.now = st.flight, st.now
         tau = float(np.mean(rnd - versions)) if len(versions) else float("nan")
         self.steps.append((self.now, len(go), len(st.buffered.ids), len(st.late.ids), tau))
+
+    def _check_trained(self) -> None:
+        """After the last step: :func:`mpifl.runtime.clock.check_trained` of the steps."""
+        check_trained(np.asarray(self.steps, dtype=np.float64).reshape(-1, 5)[:, 2])
 
     # ------------------------------------------------------------------ state
 

@@ -23,6 +23,7 @@ from mpifl.aggregators import ObservesParams, PersonalModels, RoundInputs, Round
 from mpifl.aggregators.base import Aggregator
 from mpifl.aggregators.server_opt import ServerOptimizer
 from mpifl.clients.faults import accepted, dropped_out
+from mpifl.clients.trainer import TrainingStopped
 from mpifl.clients.meta import MetaStep
 from mpifl.core.blame import blame, origin
 from mpifl.core.errors import MpiflError, OutputError
@@ -177,10 +178,12 @@ class Server:
         A stop request (:class:`mpifl.runtime.signals.StopRequest`) is acted on within seconds
         in every phase, and the state saved is always that after a whole round:
 
-        - during training (or before it): the training ends (one call per worker), then the
-          round is dropped and the checkpoint holds the state after the round before; resume
-          runs the round again, as it would have run. On a sharded server the shards are
-          already aggregating, so that round is aggregated and then stops as below;
+        - during training (or before it): the training ends at its next local step (every
+          rank that trains watches its own stop request between steps; a worker that stops
+          tells rank 0, which stops the run too), then the round is dropped and the checkpoint
+          holds the state after the round before; resume runs the round again, as it would
+          have run. On a sharded server the workers train to the end (the shards aggregate
+          what they send), so that round is aggregated and then stops as below;
         - during aggregation (one call, not interruptible): the round ends, its evaluation is
           not started;
         - during an evaluation: every worker stops at its next window of a lazy population's
@@ -192,6 +195,10 @@ class Server:
         Returns:
             The global parameters (d,) float32 after the last round run, and whether every
             round was run (False when a stop request ended the loop early, after a checkpoint).
+
+        Raises:
+            ConfigError: on simulated time, no round trained any client
+                (:meth:`_check_trained`); the rounds and checkpoints are written first.
         """
         plan = self.plan
         rounds = plan.rounds
@@ -219,7 +226,15 @@ class Server:
                         return w, False
             finally:
                 bar.close()
+        self._check_trained()
         return w, True
+
+    def _check_trained(self) -> None:
+        """After the last round on simulated time: the rounds that trained no client counted
+        in a warning, and a run of nothing but such rounds refused (ConfigError,
+        :func:`mpifl.runtime.clock.check_trained`)."""
+        if self.clock is not None:
+            self.clock.check_trained()
 
     def _run_round(self, rnd: int, w: torch.Tensor, schedule: CheckpointSchedule
                    ) -> tuple[torch.Tensor, bool]:
@@ -286,6 +301,13 @@ class Server:
 
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.requested
+
+    def _training_stopped(self) -> None:
+        """The clients abandoned a round's training at a stop request (this process's, or a
+        worker rank's own signal): from here on the run stops as if asked here."""
+        if self.stop is None:
+            self.stop = StopRequest()
+        self.stop.request("a worker rank's stop signal")  # kept only when none came here
 
     def _log_stop(self, rounds_done: int, detail: str) -> None:
         assert self.stop is not None  # only a stop request stops a run early
@@ -390,8 +412,12 @@ class Server:
                  else agg.client_state(ids, w) if isinstance(agg, PersonalModels) else None)
         inputs = agg.round_inputs() if isinstance(agg, RoundInputs) else None
         lines.begin("training", rnd + 1)
-        res = self.clients.train(rnd, lr, ids, w, inputs, state,
-                                 phase=lambda name: lines.begin(name, rnd + 1))
+        try:
+            res = self.clients.train(rnd, lr, ids, w, inputs, state,
+                                     phase=lambda name: lines.begin(name, rnd + 1))
+        except TrainingStopped:
+            self._training_stopped()
+            return w, None  # abandoned between steps: nothing of the round is kept
         if self.shard is None and self._stopping():
             return w, None  # nothing of the round is kept yet: drop it
         lines.begin("aggregation", rnd + 1)
