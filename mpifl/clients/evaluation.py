@@ -8,6 +8,11 @@ its overridable methods
 ``_train_chunk``, ``evaluate``, ``evaluate_each``) through it, so a subclass's version is the one
 that runs. The trainer's public methods of the same names delegate here; they run under
 ``torch.no_grad``, as do the public functions below.
+
+A client's accuracy is the mean over its samples of each sample's share predicted right
+(:meth:`mpifl.models.losses.Loss.hits`): 0 or 1 for one label a sample, the share of counted
+positions for sequence targets, the share of the C labels for multi-hot targets
+(``multilabel_bce``); NaN for a regression loss.
 """
 
 from __future__ import annotations
@@ -196,8 +201,8 @@ def client_stats(trainer: TrainerBase, w: Tensor, sample_idx: Sequence[np.ndarra
     for rows, seg, out, yb in trainer._forward_blocks(w, sample_idx):
         ce_sum.index_add_(0, seg, loss_fn.per_sample(out, yb).double())
         hits.index_add_(0, seg, loss_fn.hits(out, yb))
-        pred = loss_fn.labels(out)
-        if groups is not None:  # cell = (client, group, true label)
+        if groups is not None:  # cell = (client, group, true label); one integer label a sample
+            pred = loss_fn.labels(out)
             sens = groups[0][torch.as_tensor(rows, device=groups[0].device)]
             cell = (seg * groups[1] + sens.to(device)) * 2 + yb
             cells.index_add_(0, cell, torch.stack(

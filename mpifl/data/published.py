@@ -36,6 +36,7 @@ from mpifl.core.params import Params
 from mpifl.data import flair as F
 from mpifl.data import leaf as L
 from mpifl.data import tff as T
+from mpifl.data.bounds import check_memory
 from mpifl.data.registry import (CLIENTS, LABELS, ClientSource, DataPool, DataShape, NoParams,
                                  register_dataset)
 from mpifl.data.roots import DatasetLayout, find_dataset_dir, register_files
@@ -109,10 +110,22 @@ for _name in PUBLISHED:
 
 
 def drawn_pool(source: ClientSource, y_dtype: type[np.generic] = np.int64,
-               target_shape: tuple[int, ...] | None = None) -> DataPool:
-    """Every client of ``source`` filled in order into one pool (``client_sizes`` set)."""
+               target_shape: tuple[int, ...] | None = None, name: str = "") -> DataPool:
+    """Every client of ``source`` filled in order into one pool (``client_sizes`` set).
+
+    Raises:
+        DataError: the pool would not fit in memory (:func:`mpifl.data.bounds.memory_bound`;
+            the sizes come from the files, the memory budget knew only the published means).
+    """
     sizes = np.asarray(source.sizes, dtype=np.int64)
     ptr = np.concatenate([[0], np.cumsum(sizes)])
+    row = (np.prod(source.input_shape, dtype=np.float64) * np.dtype(source.x_dtype).itemsize
+           + np.prod(target_shape or source.target_shape, dtype=np.float64)
+           * np.dtype(y_dtype).itemsize)
+    check_memory(float(ptr[-1]) * row, f"data set '{name}': the {int(ptr[-1]):,} samples of its "
+                                       f"{len(sizes):,} clients",
+                 "use fewer clients (data.num_clients) or, where the set has it, data.lazy = "
+                 "true (a few clients held at a time)")
     x = np.empty((int(ptr[-1]), *source.input_shape), dtype=source.x_dtype)
     y = np.empty((int(ptr[-1]), *(target_shape or source.target_shape)), dtype=y_dtype)
     for k in range(len(sizes)):
@@ -143,10 +156,13 @@ def leaf_shakespeare(*, seed: int, data_root: str | None = None, num_clients: in
 class LeafSent140Params(Params):
     """``leaf_sent140``: the word vocabulary and the tweet length."""
 
-    # the most frequent words kept (ids 2..vocab_size+1; 0 PAD, 1 out of vocabulary)
     vocab_size: int = Field(10_000, ge=1, le=INT32_MAX)
-    # words a tweet keeps (the rest is cut), padded with PAD (0) to this length
+    """V, the whole set's most frequent words kept (every file is counted, so the vocabulary
+    does not depend on K): ids 2..V+1, 1 out of vocabulary, 0 PAD; fewer ids when the data have
+    fewer distinct words."""
     max_length: int = Field(25, ge=1, le=4096)
+    """Words a tweet keeps (split on whitespace, the rest cut), padded with PAD (0) to this
+    length: x is (n, max_length) int64."""
 
 
 @register_dataset("leaf_sent140", params=LeafSent140Params, provides=(LABELS, CLIENTS),
@@ -162,8 +178,10 @@ def leaf_sent140(*, seed: int, data_root: str | None = None, num_clients: int,
 class LeafSyntheticParams(Params):
     """``leaf_synthetic``: its number of classes."""
 
-    # C; None: the largest label in the files + 1 (LEAF's generator's -num-classes)
     num_classes: int | None = Field(None, ge=2, le=INT32_MAX)
+    """C, the number of classes (LEAF's generator's --num-classes): labels must lie in
+    0..C-1 and only the files that the K clients need are read. Not set: the largest label in
+    the whole set + 1 (every file is read)."""
 
 
 @register_dataset("leaf_synthetic", params=LeafSyntheticParams, provides=(LABELS, CLIENTS),
@@ -196,11 +214,11 @@ def _source(built: _Built | tuple[T.ClientIndex, T.Clients, np.ndarray, T.Conver
                         **kw)
 
 
-def _eager(lazy: Callable[..., ClientSource]) -> Callable[..., DataPool]:
+def _eager(lazy: Callable[..., ClientSource], name: str) -> Callable[..., DataPool]:
     """The eager loader of a lazy set: its clients drawn in order (equal bit for bit)."""
     @functools.wraps(lazy)  # its signature too (load_federated passes num_clients by it)
     def load(**kwargs: Any) -> DataPool:
-        return drawn_pool(lazy(**kwargs))
+        return drawn_pool(lazy(**kwargs), name=name)
     load.__doc__ = f"Every client of :func:`{lazy.__name__}` in one pool."
     return load
 
@@ -224,12 +242,18 @@ def tff_shakespeare_clients(*, seed: int, data_root: str | None = None,
 class TffStackOverflowParams(Params):
     """``tff_stackoverflow``: vocabulary, sentence length, sentences a user."""
 
-    # words kept (ids 1..V; V+1 OOV, V+2 BOS, V+3 EOS, 0 PAD): TFF's baseline 10,000
     vocab_size: int = Field(10_000, ge=1, le=INT32_MAX)
-    # tokens a sample (TFF's baseline: 20)
+    """V, the words kept: the first V of stackoverflow.word_count (TFF's file, most frequent
+    first) when present, else the most frequent of the chosen users' sentences; ids 1..V
+    words, V+1 out of vocabulary, V+2 BOS, V+3 EOS, 0 PAD (TFF's baseline, Reddi et al. 2021:
+    10,000)."""
     sequence_length: int = Field(20, ge=1, le=4096)
-    # a user's first sentences kept (train first); None: all (pfl-research's benchmark: 64)
+    """T, words a sentence keeps: a row is BOS, its first T words, EOS if fewer, PAD after
+    (TFF's build_to_ids_fn); x its first T tokens, y the next token at each position (TFF's
+    baseline: 20)."""
     max_client_samples: int | None = Field(None, ge=2, le=INT32_MAX)
+    """A user's first sentences kept (its train rows first); not set: all of them
+    (pfl-research's benchmark: 64)."""
 
 
 def tff_stackoverflow_clients(*, seed: int, data_root: str | None = None, num_clients: int,
@@ -246,11 +270,13 @@ def tff_stackoverflow_clients(*, seed: int, data_root: str | None = None, num_cl
 class TffCifar100Params(Params):
     """``tff_cifar100``: labels and normalisation."""
 
-    # "fine": the 100 labels; "coarse": the 20 superclasses
     label: Literal["fine", "coarse"] = "fine"
-    # "scale": pixels / 255; "per_image": each image to mean 0, std 1 (TF's
-    # per_image_standardization)
+    """``"fine"``: the 100 CIFAR-100 classes; ``"coarse"``: the 20 superclasses (the file's
+    coarse_label)."""
     normalise: Literal["scale", "per_image"] = "scale"
+    """``"scale"``: pixels / 255, in [0, 1]; ``"per_image"``: each image (of pixels / 255) to
+    mean 0 and standard deviation 1 (TF's per_image_standardization: the std at least
+    1/sqrt(3072))."""
 
 
 def tff_cifar100_clients(*, seed: int, data_root: str | None = None, num_clients: int,
@@ -266,7 +292,7 @@ for _name, _lazy, _params, _tags in (
         ("tff_shakespeare", tff_shakespeare_clients, NoParams, (CLIENTS,)),
         ("tff_stackoverflow", tff_stackoverflow_clients, TffStackOverflowParams, (CLIENTS,)),
         ("tff_cifar100", tff_cifar100_clients, TffCifar100Params, (LABELS, CLIENTS))):
-    _load = _eager(_lazy)
+    _load = _eager(_lazy, _name)
     _load.__name__ = _load.__qualname__ = _name
     register_dataset(_name, params=_params, provides=_tags, lazy=_lazy,
                      shape=SHAPES[_name])(_load)
@@ -281,11 +307,13 @@ FLAIR_PARTITIONS: tuple[FlairPartition, ...] = ("train", "val", "test")
 class FlairParams(Params):
     """``flair``: partitions read and label taxonomy."""
 
-    # the file's partitions whose users are clients, in this order
     partitions: list[FlairPartition] = Field(default_factory=lambda: list(FLAIR_PARTITIONS),
                                              min_length=1)
-    # False: the 17 coarse labels; True: the 1,628 fine-grained ones
+    """The file's partitions ("train", "val", "test": disjoint users) whose users are the
+    clients, in this order; the clients are the first K users with at least 2 images."""
     fine_grained: bool = False
+    """FLAIR's label taxonomy (Song et al., NeurIPS 2022): false, the 17 coarse labels; true,
+    the 1,628 fine-grained ones. The targets are (n, C) float32 multi-hot either way."""
 
 
 @register_dataset("flair", params=FlairParams, provides=(CLIENTS,),
@@ -293,9 +321,9 @@ class FlairParams(Params):
 def flair(*, seed: int, data_root: str | None = None, num_clients: int,
           partitions: list[str], fine_grained: bool) -> DataPool:
     """FLAIR's first K users (:func:`mpifl.data.flair.flair`): float32 multi-hot targets (n, C),
-    so a regression-style pool (``loss = "mse"``); eager only (a lazy population's targets are
+    trained with ``loss = "multilabel_bce"``; eager only (a lazy population's targets are
     int64 today)."""
     index, clients, sizes, convert, shape, classes = F.flair(
         find_dataset_dir("flair", data_root), num_clients, partitions, fine_grained)
     source = ClientSource(sizes, classes, shape, T.H5Source(index, clients, convert).fill)
-    return drawn_pool(source, np.float32, (classes,))
+    return drawn_pool(source, np.float32, (classes,), name="flair")

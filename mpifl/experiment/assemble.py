@@ -20,6 +20,7 @@ from mpifl.clients.loop import LoopTrainer
 from mpifl.clients.select import select_trainer
 from mpifl.clients.faults import NaNClients
 from mpifl.clients.meta import MetaStep
+from mpifl.clients.minibatches import trained_samples
 from mpifl.clients.system import SystemModel
 from mpifl.aggregators.server_opt import ServerOptimizer, ServerOptimizerParams
 from mpifl.core.errors import ConfigError, MpiflError, OutputError
@@ -32,8 +33,9 @@ from mpifl.experiment.plan import Plan
 from mpifl.core.blame import blame
 from mpifl.models import (MODEL_FACTORIES, Loss, ModelTraits, build_model, get_loss,
                           model_traits)
-from mpifl.models.losses import check_loss
-from mpifl.models.zoo import batchnorm_coordinates, model_params
+from mpifl.models.losses import check_fit, check_loss, check_targets
+from mpifl.models.zoo import (batchnorm_coordinates, factory_keywords, model_output,
+                              model_params)
 from mpifl.runtime.clock import Clock
 from mpifl.runtime.backends import num_groups
 from mpifl.runtime.client_state import LocalCoordinates
@@ -86,13 +88,18 @@ def build_parts(plan: Plan) -> Parts:
                           f"{plan.rule} (or the group-balanced meta set) needs")
     m = plan.model
     loss = get_loss(m.loss)
-    _check_task(plan, fed, loss)
     x, y = real_batch(fed)
-    check_loss(loss, fed.num_classes, y)  # it trains the model
+    _check_task(plan, fed, loss, y)
     sequence = y.ndim == 2 and y.dtype.kind in "iu"
+    params, vocab = factory_keywords(m.name, model_params(m.name, m.hidden, m.params),
+                                     fed.vocab_size, d.dataset)
     model = build_model(m.name, fed.input_shape, loss.width(fed.num_classes),
-                        output=m.output, seed=seed, vocab_size=fed.vocab_size, sample=x,
-                        sequence_targets=sequence, **model_params(m.name, m.hidden, m.params))
+                        output=m.output, seed=seed, vocab_size=vocab, sample=x,
+                        sequence_targets=sequence, dataset=d.dataset, **params)
+    # the loss against the run's own targets, on the model's own output, as training will
+    out = model_output(model, x)
+    check_fit(loss, out, y, m.name, d.dataset)
+    check_loss(loss, fed.num_classes, y, shape=tuple(out.shape))  # it trains the model
     with blame([("model", m.name, MODEL_FACTORIES.get(m.name))], "check"):
         traits = model_traits(model, fed.input_shape, x)
     if traits.buffers and (plan.meta is not None or plan.personal):
@@ -107,18 +114,25 @@ def build_parts(plan: Plan) -> Parts:
                  local, num_groups(fed))
 
 
-def _check_task(plan: Plan, fed, loss: Loss) -> None:
-    """The loss fits the data (labels or targets) and the rule (some need class labels)."""
-    integer = fed.label_dtype.kind in "iu"
-    if loss.classification != integer:
-        want = "integer class labels" if loss.classification else "float targets"
-        raise ConfigError(f"model.loss: '{loss.name}' needs {want}; data set "
-                          f"'{plan.data.dataset}' has {fed.label_dtype} y")
-    if loss.outputs == 1 and fed.num_classes != 2:
+def _check_task(plan: Plan, fed, loss: Loss, y: np.ndarray) -> None:
+    """The loss fits the data (its targets' shape, dtype and classes, on the run's own
+    samples y) and the rule (some need class labels)."""
+    dataset = plan.data.dataset
+    if loss.targets is None:  # a user loss: its task says which targets it takes
+        integer = fed.label_dtype.kind in "iu"
+        if loss.integer_labels != integer:
+            want = "integer class labels" if loss.integer_labels else "float targets"
+            raise ConfigError(f"model.loss: '{loss.name}' needs {want}; data set "
+                              f"'{dataset}' has {fed.label_dtype} y")
+    if loss.outputs == 1 and fed.num_classes != 2 and fed.label_dtype.kind in "iu":
         raise ConfigError(f"model.loss: '{loss.name}' is a two-class loss; data set "
-                          f"'{plan.data.dataset}' has {fed.num_classes} classes")
-    needs_labels = plan.needs.num_groups or plan.trainer.options.get("report_accuracy")
-    if needs_labels and not loss.classification:
+                          f"'{dataset}' has {fed.num_classes} classes")
+    check_targets(loss, y, fed.num_classes, dataset)
+    if plan.needs.num_groups and not loss.integer_labels:
+        kind = "a multi-label" if loss.classification else "a regression"
+        raise ConfigError(f"server.algorithm: '{plan.rule}' needs one class label a sample "
+                          f"(group counts); model.loss '{loss.name}' is {kind} loss")
+    if plan.trainer.options.get("report_accuracy") and not loss.classification:
         raise ConfigError(f"server.algorithm: '{plan.rule}' needs class labels "
                           f"(accuracies or groups); model.loss '{loss.name}' is a regression loss")
 
@@ -298,6 +312,17 @@ def _local_coordinates(parts: Parts, ckpt) -> LocalCoordinates | None:
     return local
 
 
+def local_work(plan: Plan, num_train: np.ndarray) -> np.ndarray | None:
+    """(K,) int64: the samples each client's round goes through when
+    ``client.max_local_steps`` caps it (the simulated clock's local work); None uncapped
+    (``epochs`` epochs over each client's data)."""
+    options = plan.trainer.options
+    if options.get("max_local_steps") is None:
+        return None
+    return trained_samples(num_train, plan.epochs, options["batch_size"],
+                           options["max_local_steps"])
+
+
 def make_clock(plan: Plan, parts: Parts, ckpt=None) -> Clock | None:
     """Rank 0's simulated time (``[system] enabled``), restored from the checkpoint; None when
     the run is not on simulated time.
@@ -310,7 +335,7 @@ def make_clock(plan: Plan, parts: Parts, ckpt=None) -> Clock | None:
         return None
     system = SystemModel(s, plan.seed, parts.fed.num_clients, model_bytes=4 * parts.layout.d)
     clock = Clock(system, parts.fed.num_train, plan.epochs, plan.seed, s.deadline_s,
-                  s.over_commit)
+                  s.over_commit, work=local_work(plan, parts.fed.num_train))
     if ckpt is not None:
         try:
             clock.load_state_dict({k.split("_", 1)[1]: v for k, v in ckpt.server_state.items()

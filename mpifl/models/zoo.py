@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from mpifl.core.blame import blame
-from mpifl.core.errors import ConfigError
+from mpifl.core.errors import ConfigError, MpiflError
 from mpifl.core.layout import ParamLayout, buffer_names
 from mpifl.core.registry import Registry, closest
 
@@ -130,6 +130,7 @@ def build_model(
     vocab_size: int | None = None,
     sample: torch.Tensor | None = None,
     sequence_targets: bool = False,
+    dataset: str | None = None,
     **params: Any,
 ) -> nn.Module:
     """Build a registered model (built-in or plugin) with deterministic initial weights.
@@ -145,13 +146,16 @@ def build_model(
         output: ``"logits"`` or ``"softmax"`` (appends ``Softmax(dim=-1)``, FedFV reference code).
         seed: initial weights depend only on this; the global torch RNG is left untouched.
         vocab_size: V for token inputs (``input_shape = (T,)`` int64 ids), passed to a factory
-            whose signature names ``vocab_size`` (unless ``params`` sets it); a factory that
-            does not name it cannot take token ids and is refused.
+            whose signature names ``vocab_size`` (unless ``params`` sets it). A factory that
+            does not name it is built without it and judged by what it does on ``sample``
+            (e.g. a model sizing its embedding from ``num_classes`` is accepted; one whose
+            first layer is a ``Linear`` fails on int64 ids and is refused).
         sample: (b, *input_shape) a real batch of the run's data (b >= 2), on which the model
             is checked in eval and train mode (a run always passes one); None: two zero
             samples, padding ids for token inputs.
         sequence_targets: the targets are (T,) tokens a sample: the output must be
             ``(b, T, num_classes)``.
+        dataset: ``data.dataset``, named in the refusals (None: "the data set").
         params: keyword arguments of the factory: a plugin model's ``[model.params]``, or
             ``hidden`` (layer widths) of the built-in ``mlp`` (:func:`model_params`).
 
@@ -161,7 +165,8 @@ def build_model(
 
     Raises:
         ConfigError: unknown name or output, shapes the model cannot take, parameters the
-            factory refuses, or a model that breaks the vmap contract.
+            factory refuses, a token model (one that needs ``vocab_size``) on float features,
+            a model that fails on token ids, or a model that breaks the vmap contract.
     """
     try:
         factory = MODEL_FACTORIES.get(name)
@@ -172,7 +177,7 @@ def build_model(
     shape = _check_shape(input_shape)
     if int(num_classes) < 1:
         raise ConfigError(f"the model's output width must be at least 1, got {num_classes}")
-    params = _with_vocab(name, factory, vocab_size, params)
+    params = _with_vocab(name, factory, vocab_size, params, dataset)
     if sample is None and (vocab_size is not None or "vocab_size" in params):
         sample = torch.zeros(2, *shape, dtype=torch.int64)
     _check_params(name, factory, params)
@@ -190,7 +195,8 @@ def build_model(
             if isinstance(model, nn.Sequential) else nn.Sequential(model, nn.Softmax(dim=-1))
     with blame([("model", name, factory)], "check"):
         check_model(model, shape, int(num_classes), name, sample=sample,
-                    sequence_targets=sequence_targets)
+                    sequence_targets=sequence_targets, dataset=dataset,
+                    vocab_size=params.get("vocab_size"))
     return model.eval()
 
 
@@ -201,21 +207,76 @@ def model_params(name: str, hidden: Sequence[int], params: dict[str, Any]) -> di
     return {"hidden": tuple(hidden), **params} if name == "mlp" else dict(params)
 
 
+#: build_model's own keywords, which a ``[model.params]`` key would collide with, and where
+#: their values come from (:func:`factory_keywords`)
+RESERVED = {"name": "model.name", "input_shape": "the data set", "num_classes": "the data set",
+            "output": "model.output", "seed": "run.seed", "sample": "the data set",
+            "sequence_targets": "the data set", "dataset": "data.dataset"}
+
+
+def factory_keywords(name: str, params: Mapping[str, Any], vocab_size: int | None,
+                     dataset: str) -> tuple[dict[str, Any], int | None]:
+    """A config's ``[model.params]`` for :func:`build_model`, never colliding with what mpifl
+    passes itself: ``(params, vocab_size)``, the factory keywords and the vocabulary to hand
+    the factory.
+
+    ``vocab_size`` is mpifl's (the data set's V) when the data set holds token ids: a user's
+    equal ``model.params.vocab_size`` is let through (dropped: the same value is passed), a
+    different one refused. On float features it is an ordinary factory keyword (e.g. a
+    bag-of-words model's width), passed when the factory names it.
+
+    Raises:
+        ConfigError: a key mpifl sets itself (``seed``: run.seed, ...), a ``vocab_size``
+            other than the data set's, or a ``vocab_size`` the factory does not take.
+    """
+    params = dict(params)
+    for key, source in RESERVED.items():
+        if key in params:
+            raise ConfigError(f"model.params.{key}: mpifl passes '{key}' to model '{name}' "
+                              f"itself (from {source}); remove the key")
+    if "vocab_size" not in params:
+        return params, vocab_size
+    mine = params.pop("vocab_size")
+    if vocab_size is not None:
+        if mine != vocab_size:
+            raise ConfigError(f"model.params.vocab_size = {mine!r}: data set '{dataset}' holds "
+                              f"token ids 0..{vocab_size - 1}, and mpifl passes its vocab_size "
+                              f"{vocab_size} to model '{name}' itself; remove the key")
+        return params, vocab_size
+    taken: Mapping[str, inspect.Parameter]
+    try:
+        taken = inspect.signature(MODEL_FACTORIES.get(name)).parameters
+    except LookupError as exc:
+        raise ConfigError(f"model.name: {exc}") from None
+    except (TypeError, ValueError):  # no signature: it cannot be told that it takes one
+        taken = {}
+    if "vocab_size" not in taken:  # build_model hands vocab_size only to a factory naming it
+        raise ConfigError(f"unknown key 'model.params.vocab_size': model '{name}' takes no "
+                          f"parameter 'vocab_size', and data set '{dataset}' holds float "
+                          f"features, no token ids")
+    if not isinstance(mine, int) or isinstance(mine, bool):
+        raise ConfigError(f"model.params.vocab_size: an integer, got {mine!r}")
+    return params, mine
+
+
 def _with_vocab(name: str, factory: Callable[..., nn.Module], vocab_size: int | None,
-                params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` plus ``vocab_size`` for a factory that names it (token inputs)."""
+                params: dict[str, Any], dataset: str | None) -> dict[str, Any]:
+    """``params`` plus ``vocab_size`` for a factory that names it (token inputs); a factory
+    that needs it (no default) refused on a data set without a vocabulary."""
     taken: Mapping[str, inspect.Parameter]
     try:
         taken = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         taken = {}
-    if vocab_size is not None and "vocab_size" not in params:
-        if "vocab_size" not in taken:
-            raise ConfigError(f"model '{name}' takes float features, but the data set holds "
-                              f"token ids (vocab_size {vocab_size}): choose a model with an "
-                              f"embedding (char_lstm, transformer_lm) or a factory that names "
-                              f"vocab_size")
+    if vocab_size is not None and "vocab_size" not in params and "vocab_size" in taken:
         params = {**params, "vocab_size": int(vocab_size)}
+    need = taken.get("vocab_size")
+    if vocab_size is None and "vocab_size" not in params and need is not None \
+            and need.default is need.empty:
+        where = f"data set '{dataset}'" if dataset else "the data set"
+        raise ConfigError(f"model '{name}' embeds token ids (its factory needs vocab_size), "
+                          f"but {where} holds float features, not token ids: choose a model "
+                          f"for float inputs (e.g. mlp, cnn_mnist) or a data set of token ids")
     return params
 
 
@@ -242,7 +303,8 @@ def _check_params(name: str, factory: Callable[..., nn.Module], params: dict[str
 
 def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
                 name: str = "model", *, sample: torch.Tensor | None = None,
-                sequence_targets: bool = False) -> None:
+                sequence_targets: bool = False, dataset: str | None = None,
+                vocab_size: int | None = None) -> None:
     """The contract of every trainer: an ``nn.Module`` with at least one parameter, all float32;
     float32 buffers only (BatchNorm's running statistics travel in w with the parameters); no
     BatchNorm without running statistics (it would evaluate each client's test set with that
@@ -255,9 +317,14 @@ def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
             language model: random floats or zeros would not be the inputs it trains on);
             None: two zero samples of float features.
         sequence_targets: expect one row of num_classes logits at each of the T positions.
+        dataset: ``data.dataset``, named in the refusals. vocab_size: the vocabulary the
+            factory was given (None: it was given none), for the message of a model that
+            fails on token ids.
 
     Raises:
-        ConfigError: naming the model, the offending parameter, buffer or module, and why.
+        ConfigError: naming the model, the offending parameter, buffer or module, and why;
+            a model whose forward fails on integer token ids (a plugin's failure on float
+            features is named by :func:`mpifl.core.blame.blame`).
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model '{name}': the factory must return a torch.nn.Module, "
@@ -283,10 +350,37 @@ def check_model(model: object, input_shape: tuple[int, ...], num_classes: int,
     b = int(x.shape[0])
     want = (b, *(tuple(input_shape) if sequence_targets else ()), num_classes)
     for mode in ("eval", "train"):
-        out = _forward_unchanged(model, x, train=mode == "train")
+        try:
+            out = _forward_unchanged(model, x, train=mode == "train")
+        except MpiflError:
+            raise
+        except Exception as exc:
+            if x.is_floating_point():
+                raise
+            raise ConfigError(_token_failure(name, x, exc, dataset, vocab_size)) from None
         if tuple(out.shape) != want:
             raise ConfigError(f"model '{name}': output shape {tuple(out.shape)} for a batch of "
                               f"{b} in {mode} mode, expected {want}")
+
+
+def _token_failure(name: str, x: torch.Tensor, exc: Exception, dataset: str | None,
+                   vocab_size: int | None) -> str:
+    """One line: a model whose forward fails on the run's token ids, and why."""
+    where = f"data set '{dataset}'" if dataset else "the data set"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    why = f"on the run's samples ({tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}) " \
+          f"it fails: {type(exc).__name__}: {first}"
+    if vocab_size is None:
+        return (f"model '{name}' takes float features, but {where} holds token ids: {why}; "
+                f"choose a model that embeds token ids (char_lstm, transformer_lm, or a "
+                f"factory whose model embeds them)")
+    return f"model '{name}' cannot take {where}'s token ids (vocab_size {vocab_size}): {why}"
+
+
+def model_output(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The model's eval-mode output on x without gradients, leaving its mode, buffers and the
+    caller's random streams as they were (what the loss is checked on at set-up)."""
+    return _forward_unchanged(model, x, train=False)
 
 
 def _forward_unchanged(model: nn.Module, x: torch.Tensor, *, train: bool) -> torch.Tensor:
