@@ -58,6 +58,9 @@ class TrainOptions:
         minibatch_order: how :func:`~mpifl.clients.minibatches.batch_order` draws from the
             key: ``"pcg64"`` (numpy's generator, a client at a time on the host) or
             ``"counter"`` (:mod:`mpifl.core.counter`, a chunk's clients at once on ``device``).
+        max_local_steps: at most this many local SGD steps per client and round (the first
+            ones of its E epochs, :func:`~mpifl.clients.minibatches.capped_steps`); None: no
+            cap, all E epochs.
 
     Raises:
         ValueError: out-of-range values.
@@ -76,8 +79,14 @@ class TrainOptions:
     order_tag: int | None = None
     loss: Loss | None = None
     minibatch_order: str = "pcg64"
+    max_local_steps: int | None = None
 
     def __post_init__(self) -> None:
+        cap = self.max_local_steps
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer))
+                                or cap < 1):
+            raise ValueError(f"max_local_steps must be an integer >= 1 or None, got "
+                             f"{self.max_local_steps!r}")
         if (self.epochs < 1 or self.batch_size < 0 or self.momentum < 0 or self.weight_decay < 0
                 or self.memory_budget_mb <= 0 or self.prox_mu < 0
                 or self.minibatch_order not in ORDERS):

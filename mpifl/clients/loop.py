@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from mpifl.clients.minibatches import client_minibatches
 from mpifl.clients.interface import TrainOptions
-from mpifl.clients.trainer import TrainerBase
+from mpifl.clients.trainer import TrainerBase, check_stop
 from mpifl.core.layout import ParamLayout, model_state
 from mpifl.core.rng import LAYER_TAG
 from mpifl.core.wire import Columns
@@ -156,7 +156,8 @@ class LoopTrainer(TrainerBase):
                                    prox_mu=prox_mu, loss_out=loss_out)
         self._last_finals = finals
         if loss_out is not None:
-            losses = loss_out / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
+            losses = loss_out / torch.as_tensor(self._first_epoch_samples(sizes),
+                                                dtype=torch.float64, device=self.device)
         return w - finals, losses.float(), acc
 
     @torch.no_grad()
@@ -235,7 +236,9 @@ class LoopTrainer(TrainerBase):
         with torch.random.fork_rng(devices=devices, enabled=self.random), torch.enable_grad():
             for step, pos in enumerate(client_minibatches(self.seed, round, cid, n, self.epochs,
                                                           self.batch_size, self.order_tag,
-                                                          self.minibatch_order)):
+                                                          self.minibatch_order,
+                                                          self.max_local_steps)):
+                check_stop()  # a stop request ends the round here, between steps
                 if self.random:
                     torch.manual_seed(step_seed(self.seed, round, cid, step, self.order_tag))
                 p = torch.as_tensor(pos, device=self.device)

@@ -14,6 +14,7 @@ clients needs). Both are keyed by the same coordinates; they give different orde
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -55,23 +56,74 @@ def batch_order(seed: int, round: int, client_id: int, epoch: int, n: int,
     return rng.permutation(int(n)).astype(np.int64, copy=False)
 
 
+def capped_steps(sizes: npt.ArrayLike, epochs: int, batch_size: int,
+                 max_steps: int | None = None) -> npt.NDArray[np.int64]:
+    """(m,) int64: the local steps each client takes in a round, ``E * ceil(n / B)`` (E when
+    B = 0), at most ``max_steps`` (``client.max_local_steps``; None: no cap).
+
+    Args:
+        sizes: (m,) samples per client (>= 1). epochs: E >= 1. batch_size: B >= 0.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    per_epoch = np.ones_like(sizes) if batch_size == 0 else -(-sizes // batch_size)
+    steps: npt.NDArray[np.int64] = epochs * per_epoch
+    return steps if max_steps is None else np.minimum(steps, int(max_steps))
+
+
+def trained_samples(sizes: npt.ArrayLike, epochs: int, batch_size: int,
+                    max_steps: int | None = None) -> npt.NDArray[np.int64]:
+    """(m,) int64: the samples each client's local steps of a round go through, counted with
+    repeats: ``E * n`` uncapped; with ``max_steps`` (``client.max_local_steps``) the whole
+    epochs its steps cover plus ``B`` for each step of the epoch it stops in (an epoch's
+    minibatches are full but for its last). The simulated clock's local work
+    (:mod:`mpifl.clients.system`).
+
+    Args:
+        sizes: (m,) samples per client (>= 1). epochs: E >= 1. batch_size: B >= 0 (0: the
+            whole client's data, one step an epoch).
+    """
+    n = np.asarray(sizes, dtype=np.int64)
+    per_epoch = np.ones_like(n) if batch_size == 0 else -(-n // batch_size)
+    full, rest = np.divmod(capped_steps(n, epochs, batch_size, max_steps), per_epoch)
+    work: npt.NDArray[np.int64] = full * n + rest * batch_size
+    return work
+
+
+def first_epoch_samples(sizes: npt.ArrayLike, batch_size: int,
+                        max_steps: int | None = None) -> npt.NDArray[np.int64]:
+    """(m,) int64: the samples in each client's minibatches of its first epoch that it trains
+    on (all n, or ``max_steps * B`` when the cap ends the epoch early): what the first
+    epoch's summed training loss is divided by when it stands in for ``l_k``."""
+    n: npt.NDArray[np.int64] = np.asarray(sizes, dtype=np.int64)
+    if max_steps is None or batch_size == 0:  # a full batch is one step, and the cap >= 1
+        return n
+    return np.minimum(n, int(max_steps) * batch_size)
+
+
 def client_minibatches(seed: int, round: int, client_id: int, n: int, epochs: int,
                        batch_size: int, tag: int | None = None,
-                       order: str = "pcg64") -> Iterator[np.ndarray]:
+                       order: str = "pcg64", max_steps: int | None = None
+                       ) -> Iterator[np.ndarray]:
     """ALGORITHMS.md §1's minibatches of one client in one round, for per-client loops (the oracles
     and the sequential baseline of ``mpifl bench simulate``).
 
     Yields (b,) int64 positions into the client's n samples: E epochs, each in
     :func:`batch_order` (keyed with ``tag`` when given, drawn by ``order``) cut into runs of
     ``batch_size`` (the last may be shorter); one batch of all n in order per epoch when
-    ``batch_size`` is 0.
+    ``batch_size`` is 0. With ``max_steps``, only the first ``max_steps`` of them
+    (:func:`capped_steps`).
     """
     size = n if batch_size == 0 else batch_size
-    for epoch in range(epochs):
-        perm = (np.arange(n) if batch_size == 0
-                else batch_order(seed, round, client_id, epoch, n, tag, order))
-        for start in range(0, n, size):
-            yield perm[start:start + size]
+
+    def every() -> Iterator[np.ndarray]:
+        for epoch in range(epochs):
+            perm = (np.arange(n) if batch_size == 0
+                    else batch_order(seed, round, client_id, epoch, n, tag, order))
+            for start in range(0, n, size):
+                yield perm[start:start + size]
+
+    # the later epochs' orders are never drawn once the cap is reached (islice stops first)
+    return every() if max_steps is None else itertools.islice(every(), int(max_steps))
 
 
 @dataclass(frozen=True)
@@ -85,15 +137,19 @@ class Schedule:
             own first sample (a finite loss, weight 0).
         weights: (m, T, Bp) float32 on the device, 1 real, 0 padding (real samples first in
             each minibatch).
-        steps: (m,) int64, each client's real steps (a prefix of the step indices).
+        steps: (m,) int64, each client's real steps (a prefix of the step indices), capped
+            by ``max_steps``.
         real: (m, T) int64, the real samples of each minibatch (0 past a client's steps):
             known from the sizes alone, so kept on the host.
+        per_epoch: (m,) int64, the steps of a whole epoch of each client (``ceil(n / B)``, 1
+            for B = 0), before any cap; None: ``steps // epochs`` (an uncapped plan).
     """
 
     rows: Tensor
     weights: Tensor
     steps: np.ndarray
     real: np.ndarray
+    per_epoch: np.ndarray | None = None
 
     @property
     def widths(self) -> npt.NDArray[np.int64]:
@@ -103,24 +159,30 @@ class Schedule:
         return widths
 
     def first_epoch(self, epochs: int) -> npt.NDArray[np.bool_]:
-        """(m, T) bool: the steps of each client's first epoch."""
-        return np.arange(self.real.shape[1])[None, :] < (self.steps // epochs)[:, None]
+        """(m, T) bool: the steps of each client's first epoch (those it takes: a cap may end
+        it early)."""
+        first = self.steps // epochs if self.per_epoch is None else np.minimum(
+            self.per_epoch, self.steps)
+        return np.arange(self.real.shape[1])[None, :] < first[:, None]
 
 
 def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.ndarray,
                        epochs: int, batch_size: int, tag: int | None = None,
-                       order: str = "pcg64", device: torch.device | str = "cpu") -> Schedule:
+                       order: str = "pcg64", device: torch.device | str = "cpu",
+                       max_steps: int | None = None) -> Schedule:
     """Every client's minibatches of a round as one padded plan, for the vectorised trainers.
 
     Client i (id ``client_ids[i]``, n_i = ``sizes[i]`` samples) takes ``E * ceil(n_i / B)``
     steps (E when B = 0): epoch e is :func:`batch_order` cut into runs of B, exactly the
-    minibatches of :func:`client_minibatches` (its oracle in tests/inprocess/test_training.py). With
+    minibatches of :func:`client_minibatches` (its oracle in tests/inprocess/test_training.py);
+    with ``max_steps`` only the first ``max_steps`` of them (:func:`capped_steps`). With
     ``order = "counter"`` the orders are drawn on ``device``, all clients and epochs at once;
     with ``"pcg64"`` on the host, one client at a time. The plan is assembled on ``device``.
 
     Args:
         client_ids: (m,) int64. sizes: (m,) int64 >= 1 samples per client.
         epochs, batch_size: E >= 1 and B >= 0 (0: one full batch an epoch).
+        max_steps: at most this many steps per client (None: no cap).
 
     Returns:
         A :class:`Schedule`.
@@ -129,7 +191,7 @@ def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.
     m, n_max = len(sizes), int(sizes.max())
     bp = n_max if batch_size == 0 else min(batch_size, n_max)
     per_epoch = np.ones(m, np.int64) if batch_size == 0 else -(-sizes // batch_size)
-    steps = epochs * per_epoch
+    steps = capped_steps(sizes, epochs, batch_size, max_steps)
     t = np.arange(int(steps.max()))
     within = t[None, :] % per_epoch[:, None]
     real = np.where(t[None, :] < steps[:, None],
@@ -145,14 +207,18 @@ def minibatch_schedule(seed: int, round: int, client_ids: np.ndarray, sizes: np.
     if batch_size == 0:
         pos = slot
     else:  # slot s of epoch e: entry s of the client's epoch-e order (clamped where padding)
-        orders = _orders(seed, round, client_ids, sizes, epochs, tag, order, dev)
-        epoch = (tt[None, :] // pe[:, None]).clamp(max=epochs - 1)
-        first = torch.as_tensor(np.cumsum(np.repeat(sizes, epochs)) - np.repeat(sizes, epochs),
-                                device=dev).view(m, epochs)
+        # only the epochs a capped client reaches are drawn (E when uncapped): each order is
+        # keyed by its epoch, so the ones drawn do not depend on how many are
+        drawn = int((-(-steps // per_epoch)).max())
+        orders = _orders(seed, round, client_ids, sizes, drawn, tag, order, dev)
+        epoch = (tt[None, :] // pe[:, None]).clamp(max=drawn - 1)
+        first = torch.as_tensor(np.cumsum(np.repeat(sizes, drawn)) - np.repeat(sizes, drawn),
+                                device=dev).view(m, drawn)
         pos = orders[first.gather(1, epoch)[:, :, None] + torch.minimum(slot, sz[:, None, None] - 1)]
     starts = torch.as_tensor(np.concatenate([[0], np.cumsum(sizes)[:-1]]), device=dev)
     rows = torch.where(is_real, pos + starts[:, None, None], starts[:, None, None])
-    return Schedule(rows, is_real.to(torch.float32), steps, real)
+    return Schedule(rows, is_real.to(torch.float32), steps, real,
+                    None if max_steps is None else per_epoch)
 
 
 def _orders(seed: int, round: int, client_ids: np.ndarray, sizes: np.ndarray, epochs: int,

@@ -18,6 +18,14 @@ A client's update depends only on w, its samples and ``(seed, round, client_id)`
 other clients share its chunk, on the chunking, or on the order of clients (up to float rounding
 of differently shaped batched kernels).
 
+Local work may be capped (``client.max_local_steps``): each client then takes only the first
+steps of its schedule (:func:`mpifl.clients.minibatches.capped_steps`), in every trainer alike.
+
+A stop request is acted on between steps: inside :func:`stop_between_steps` (the runtime
+arms it around a round's training) every trainer calls :func:`check_stop` before each local
+step, which raises :class:`TrainingStopped` once the request is made; the round's training
+is then abandoned and nothing of it is returned (the runtime drops the round).
+
 This module is the training (schedule, step, chunk); the trainer's other jobs live beside it and
 its methods delegate to them: the keyed minibatch order in :mod:`mpifl.clients.minibatches`, the
 memory plan (chunks of clients, blocks of rows) in :mod:`mpifl.clients.memory`, the evaluators
@@ -41,13 +49,45 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 
 from mpifl.clients import evaluation, memory
 from mpifl.clients.interface import TrainOptions
-from mpifl.clients.minibatches import Schedule, minibatch_schedule
+from mpifl.clients.minibatches import Schedule, capped_steps, first_epoch_samples, minibatch_schedule
 from mpifl.clients.stacked import stacked_ce_grad, stacked_ce_grad_and_value, stacked_forward
 from mpifl.core.layout import ParamLayout
 from mpifl.core.wire import Columns
 from mpifl.models.losses import get_loss
 
-__all__ = ["TrainerBase", "VmapTrainer"]
+__all__ = ["TrainerBase", "TrainingStopped", "VmapTrainer", "check_stop", "stop_between_steps"]
+
+
+class TrainingStopped(BaseException):
+    """Local training abandoned between two steps because a stop was requested
+    (:func:`stop_between_steps`): the round's training returns nothing, and the caller drops
+    the round (resume trains it again from the same state, so the results do not change).
+    A BaseException, as KeyboardInterrupt: not an error, so no handler of errors (a plugin's
+    blame, :func:`mpifl.core.blame.blame`) turns it into one."""
+
+
+#: the stop check :func:`check_stop` consults (None: training is never interrupted)
+_STOP_CHECK: Callable[[], bool] | None = None
+
+
+@contextmanager
+def stop_between_steps(check: Callable[[], bool] | None) -> Iterator[None]:
+    """Inside the block, local training calls ``check()`` before each step (every trainer,
+    every client chunk) and raises :class:`TrainingStopped` as soon as it returns True;
+    None: no check. The previous check comes back afterwards. ``check`` must be cheap (a
+    flag read: it runs once a step) and never synchronises a device."""
+    global _STOP_CHECK
+    saved, _STOP_CHECK = _STOP_CHECK, check
+    try:
+        yield
+    finally:
+        _STOP_CHECK = saved
+
+
+def check_stop() -> None:
+    """Raises TrainingStopped: the check of :func:`stop_between_steps` says stop."""
+    if _STOP_CHECK is not None and _STOP_CHECK():
+        raise TrainingStopped("a stop was requested during local training")
 
 
 class TrainerBase(ABC):
@@ -84,6 +124,8 @@ class TrainerBase(ABC):
         self.model, self.layout = model, layout
         self.x, self.y = x, y
         self.epochs, self.batch_size = int(options.epochs), int(options.batch_size)
+        self.max_local_steps = (None if options.max_local_steps is None
+                                else int(options.max_local_steps))
         self.momentum, self.weight_decay = float(options.momentum), float(options.weight_decay)
         self.seed = int(options.seed)
         self.order_tag = None if options.order_tag is None else int(options.order_tag)
@@ -265,6 +307,11 @@ class TrainerBase(ABC):
         return (self.x[idx].to(self.device, self._x_dtype(self.x), non_blocking=True),
                 self.y[idx.to(self.y.device)].to(self.device, non_blocking=True))
 
+    def _first_epoch_samples(self, sizes: np.ndarray) -> np.ndarray:
+        """(m,) int64: the samples of each client's first-epoch steps that it trains on (the
+        divisor of the first epoch's loss sum; ``sizes`` themselves without a cap)."""
+        return first_epoch_samples(sizes, self.batch_size, self.max_local_steps)
+
     @staticmethod
     def _x_dtype(x: Tensor) -> torch.dtype:
         """float32 features (whatever float the store holds), int64 token ids."""
@@ -342,7 +389,8 @@ class VmapTrainer(TrainerBase):
             if loss_out is not None:
                 loss_sums[pos] = loss_out
         if not measure:
-            losses = loss_sums / torch.as_tensor(sizes, dtype=torch.float64, device=self.device)
+            losses = loss_sums / torch.as_tensor(self._first_epoch_samples(sizes),
+                                                 dtype=torch.float64, device=self.device)
         return updates, losses.float(), acc
 
     # ------------------------------------------------------------------ memory plan
@@ -370,15 +418,15 @@ class VmapTrainer(TrainerBase):
         return n_max if self.batch_size == 0 else min(self.batch_size, n_max)
 
     def _steps(self, n: int) -> int:
-        per_epoch = 1 if self.batch_size == 0 else -(-n // self.batch_size)
-        return self.epochs * per_epoch
+        """Local steps of a client of n samples (``client.max_local_steps`` applied)."""
+        return int(capped_steps([n], self.epochs, self.batch_size, self.max_local_steps)[0])
 
     def _plan(self, round: int, client_ids: np.ndarray, sizes: np.ndarray) -> Schedule:
         """The chunk's padded minibatch plan on the device
         (:func:`mpifl.clients.minibatches.minibatch_schedule`)."""
         return minibatch_schedule(self.seed, round, client_ids, sizes, self.epochs,
                                   self.batch_size, self.order_tag, self.minibatch_order,
-                                  self.device)
+                                  self.device, self.max_local_steps)
 
     #: True when :meth:`_batch_extras` adds per-sample inputs to the minibatch loss.
     _has_extras = False
@@ -440,6 +488,7 @@ class VmapTrainer(TrainerBase):
             loss_weight = torch.as_tensor(plan.real * plan.first_epoch(self.epochs),
                                           dtype=torch.float64, device=self.device)
         for t in range(rows.shape[1]):
+            check_stop()  # a stop request ends the round here, between steps
             b = int(widths[t])  # columns that are padding in every client cost nothing
             rt = rows[:, t, :b]
             extras = self._batch_extras(sample_rows[:, t, :b]) if self._has_extras else ()

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vjp, vmap
 
 from mpifl.clients.interface import TrainOptions
-from mpifl.clients.trainer import VmapTrainer
+from mpifl.clients.trainer import VmapTrainer, check_stop
 from mpifl.core.layout import ParamLayout
 
 # The estimate below is deliberately conservative: measured by peak RSS on CPU (torch 2.13), an
@@ -113,7 +113,8 @@ class UGATrainer(VmapTrainer):
         # minibatch order is keyed by the epoch index and the steps per epoch depend on n only.
         self._tracer = (VmapTrainer(model, layout, x, y, TrainOptions(
             epochs=self.traced_epochs, batch_size=options.batch_size, seed=options.seed,
-            device=options.device)) if self.traced_epochs else None)
+            device=options.device, max_local_steps=options.max_local_steps))
+            if self.traced_epochs else None)
         self._sum_grad = vmap(grad(self._block_loss_sum))
 
     # ------------------------------------------------------------------ public API
@@ -247,6 +248,7 @@ class UGATrainer(VmapTrainer):
         steps = torch.as_tensor(steps_np, device=self.device)
         buf: list[Tensor] | None = None
         for t in range(rows.shape[1]):
+            check_stop()  # a stop request ends the round here, between traced steps
             b = int(widths[t])
             rt = rows[:, t, :b]
             g = self._step_grad(dict(zip(names, params)), xs[rt], ys[rt], weights[:, t, :b])

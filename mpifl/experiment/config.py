@@ -204,8 +204,9 @@ class ModelConfig(_Section):
     """What the built-in models output: "logits", or "softmax" (the FedFV authors' double
     softmax under cross-entropy)."""
     loss: str = "cross_entropy"
-    """The training and evaluation loss: cross_entropy, bce, mse, token_cross_entropy, a
-    plugin's, or "pkg.module:fn" (mpifl/models/losses.py; checked by name later)."""
+    """The training and evaluation loss: cross_entropy, bce, mse, token_cross_entropy,
+    multilabel_bce, a plugin's, or "pkg.module:fn" (mpifl/models/losses.py; checked by name
+    later, and against the data set's targets at set-up)."""
     batchnorm: Literal["global", "local", "local_stats"] = "global"
     """Where BatchNorm's state lives (ALGORITHMS.md §9): "global" (statistics travel in w and
     are aggregated like parameters), "local" (FedBN: statistics and affine parameters stay with
@@ -220,6 +221,13 @@ class ClientConfig(_Section):
     """E, local epochs over the client's training split each round."""
     batch_size: int = Field(50, ge=0, le=INT32_MAX)
     """B, local minibatch size; 0 = full batch (one step an epoch)."""
+    max_local_steps: int | None = Field(None, ge=1, le=INT32_MAX)
+    """A cap on local work: at most this many minibatch SGD steps per client per round (the
+    first steps of its E epochs, in their keyed order), whatever its number of samples;
+    unset = E epochs over all its samples (no cap). Bounds a round's time on data sets with
+    large clients (Shakespeare, Stack Overflow), as the benchmarks' papers do; a client then
+    sees at most max_local_steps * B samples a round. Applies to every trainer, not to
+    run.adapt_epochs."""
     lr: float = Field(0.1, gt=0.0, le=1e3)
     """Local SGD learning rate (at most 1000: in float32 a larger step overflows the parameters
     in one step)."""

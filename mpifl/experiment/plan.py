@@ -171,7 +171,8 @@ def _trainer_plan(cfg: Config, rule) -> TrainerPlan:
     c = cfg.client
     options = dict(epochs=c.epochs, batch_size=c.batch_size, momentum=c.momentum,
                    weight_decay=c.weight_decay, seed=cfg.run.seed,
-                   memory_budget_mb=c.memory_budget_mb, minibatch_order=c.minibatch_order)
+                   memory_budget_mb=c.memory_budget_mb, minibatch_order=c.minibatch_order,
+                   max_local_steps=c.max_local_steps)
     options.update(rule.client_options(cfg.rule_params()))
     if not rule.needs.losses:
         options["pretrain_losses"] = False

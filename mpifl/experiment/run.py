@@ -28,8 +28,9 @@ from mpifl.aggregators import PersonalModels
 from mpifl.aggregators.shards import ShardGroup, shard_bounds
 from mpifl.core.errors import EXIT_BAD_INPUT, ConfigError, MpiflError, OutputError
 from mpifl.core.locking import RunLock
-from mpifl.experiment.assemble import (build_parts, device_for, make_adapter, make_aggregator,
-                                       make_clock, make_trainer, server_parts, trainer_columns)
+from mpifl.experiment.assemble import (build_parts, device_for, local_work, make_adapter,
+                                       make_aggregator, make_clock, make_trainer, server_parts,
+                                       trainer_columns)
 from mpifl.experiment.config import Config, RunConfig, config_diff, config_from_json
 from mpifl.experiment.plan import Plan, make_plan
 from mpifl.runtime.backends import LocalClients, RemoteClients
@@ -318,8 +319,12 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
                  parts.layout.d, plan.rule, size,
                  f", resuming after round {start.ckpt.round}" if start.ckpt else "")
         log.info("ranks on hosts: %s", ", ".join(f"{r}:{h}" for r, h in enumerate(hosts)))
+    # training ends at its next local step once this rank's stop is requested; not on a
+    # sharded server, whose shards aggregate whatever the workers send
+    stopping = (lambda: stop.requested) if plan.shards == 1 else None
     if size == 1:
-        clients: LocalClients | RemoteClients = LocalClients(trainer, parts.fed, device, adapter)
+        clients: LocalClients | RemoteClients = LocalClients(trainer, parts.fed, device, adapter,
+                                                             stopping)
         try:
             return _serve_rounds(plan, parts, clients, out, start, size, device, stop, progress,
                                  threads=threads)
@@ -344,7 +349,7 @@ def _build_and_run(setup: SetUp, plan: Plan, start: Start | None, out: Path, pro
             log.info("rank %d: shard %d of %d, parameters [%d, %d)", rank, shard.group.index,
                      shard.group.size, shard.group.lo, shard.group.hi)
         return serve(transport, trainer, parts.fed, device, adapter, shard,
-                     checkpoint.folder_for(out))
+                     checkpoint.folder_for(out), stopping)
     except BaseException as exc:
         _end_all_ranks(transport, rank, exc, shard)
         raise
@@ -485,7 +490,8 @@ def _async_server(plan: Plan, driven: ServerSetup, start: Start, writer: Results
     if plan.system is not None:
         system = SystemModel(plan.system, plan.seed, driven.fed.num_clients,
                              model_bytes=4 * driven.layout.d)
-    server = AsyncServer(plan.rounds, driven, system=system, epochs=plan.epochs)
+    server = AsyncServer(plan.rounds, driven, system=system, epochs=plan.epochs,
+                         work=local_work(plan, driven.fed.num_train))
     if start.ckpt is not None:
         try:
             server.load_state_dict(start.ckpt.server_state)

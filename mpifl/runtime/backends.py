@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mpifl.clients.interface import ClientTrainer
+from mpifl.clients.trainer import TrainingStopped, stop_between_steps
 from mpifl.core.wire import Columns
 from mpifl.runtime.comm import (peak_rss_bytes, rank_counts, release_free_memory,
                                 split_by_samples)
@@ -270,19 +271,31 @@ class LocalClients:
         fed: the federated data (CSR client index).
         adapter: the trainer of evaluation after local adaptation, or None (``run.adapt_epochs``
             = 0; see :func:`mpifl.experiment.assemble.make_adapter`).
+        stopping: ``stopping() -> bool``, True once a stop is requested (the run's
+            :class:`mpifl.runtime.signals.StopRequest`): training then ends at its next step
+            (:func:`mpifl.clients.trainer.stop_between_steps`); None: every round's training
+            runs to its end.
     """
 
     def __init__(self, trainer: ClientTrainer, fed: Any, device: torch.device,
-                 adapter: ClientTrainer | None = None) -> None:
+                 adapter: ClientTrainer | None = None,
+                 stopping: Callable[[], bool] | None = None) -> None:
         self.trainer, self.fed, self.adapter = trainer, fed, adapter
         self.groups = group_setup(fed, device)
+        self.stopping = stopping
 
     def train(self, rnd: int, lr: float, client_ids: np.ndarray, w: torch.Tensor,
               inputs: np.ndarray | None = None, state: torch.Tensor | None = None,
               phase: Callable[[str], None] | None = None) -> TrainResult:
-        """The round's training here (``phase`` is not called: there is nothing to gather)."""
+        """The round's training here (``phase`` is not called: there is nothing to gather).
+
+        Raises:
+            TrainingStopped: ``stopping()`` said stop between two local steps (nothing of the
+                round is returned).
+        """
         t0 = time.perf_counter()
-        with client_rows(self.fed, client_ids, self.trainer) as (idx, _):
+        with client_rows(self.fed, client_ids, self.trainer) as (idx, _), \
+                stop_between_steps(self.stopping):
             updates, losses, stats = self.trainer.run_round(w, rnd, lr, client_ids, idx, inputs,
                                                             state)
         stats = shape_stats(self.trainer.columns, stats, len(client_ids))
@@ -337,12 +350,20 @@ class RemoteClients:
               inputs: np.ndarray | None = None, state: torch.Tensor | None = None,
               phase: Callable[[str], None] | None = None) -> TrainResult:
         """The round's training on the workers; ``phase("gathering")`` once they all have
-        their results."""
+        their results.
+
+        Raises:
+            TrainingStopped: a worker abandoned its training at a stop request of its own
+                (its seconds come back NaN, :meth:`mpifl.runtime.worker.Worker.train`),
+                after every reply arrived: the round's results are incomplete.
+        """
         bounds = split_by_samples(self.fed.num_train[client_ids], self.transport.workers)
         t0 = time.perf_counter()
         rep = self.transport.train.request(
             rnd, lr, client_ids, w.detach().cpu().numpy(), bounds, inputs,
             None if state is None else state.detach().cpu().numpy(), phase)
+        if np.isnan(rep.seconds[1:]).any():
+            raise TrainingStopped("a worker rank stopped its training at a stop request")
         waited = time.perf_counter() - t0 - rep.time_broadcast
         slowest = float(rep.seconds[1:].max())
         to: Callable[[np.ndarray], torch.Tensor] = (  # noqa: E731

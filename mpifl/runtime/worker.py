@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from mpifl.clients.interface import ClientTrainer
+from mpifl.clients.trainer import TrainingStopped, stop_between_steps
 from mpifl.runtime.backends import (client_rows, evaluate_clients, group_setup, stats_rows,
                                     stats_width)
 from mpifl.runtime.comm import rank_counts, release_free_memory, split_by_samples
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 def serve(transport: MPITransport, trainer: ClientTrainer, fed: Any, device: torch.device,
           adapter: ClientTrainer | None = None, shard: ShardServer | None = None,
-          checkpoints: Path | None = None) -> int:
+          checkpoints: Path | None = None, stopping: Callable[[], bool] | None = None) -> int:
     """Answer rank 0's requests until it sends STOP; returns the exit status STOP carries.
 
     Args:
@@ -53,9 +54,12 @@ def serve(transport: MPITransport, trainer: ClientTrainer, fed: Any, device: tor
         shard: on a sharded server, this rank's :class:`mpifl.runtime.sharding.ShardServer`
             when it is one of the shards (ranks 1 .. P-1), else None.
         checkpoints: the run's checkpoint folder (a shard writes its files there).
+        stopping: ``stopping() -> bool``, this rank's stop request: True ends a TRAIN's
+            training at its next local step (:meth:`Worker.train`); None: never (a sharded
+            server, whose shards aggregate what the workers send).
     """
     worker = Worker(transport.rank, transport.workers, trainer, fed, device, adapter, shard,
-                    checkpoints)
+                    checkpoints, stopping)
     while (status := transport.serve_next(worker)) is None:
         pass
     return status
@@ -69,10 +73,11 @@ class Worker:
 
     def __init__(self, rank: int, workers: int, trainer: ClientTrainer, fed: Any,
                  device: torch.device, adapter: ClientTrainer | None = None,
-                 shard: ShardServer | None = None, checkpoints: Path | None = None) -> None:
+                 shard: ShardServer | None = None, checkpoints: Path | None = None,
+                 stopping: Callable[[], bool] | None = None) -> None:
         self.block, self.workers = rank - 1, workers
         self.trainer, self.fed, self.device, self.adapter = trainer, fed, device, adapter
-        self.shard, self.checkpoints = shard, checkpoints
+        self.shard, self.checkpoints, self.stopping = shard, checkpoints, stopping
         bounds = split_by_samples(fed.num_test, workers)
         self.eval_ids = np.arange(bounds[self.block], bounds[self.block + 1], dtype=np.int64)
         self.groups = group_setup(fed, device)
@@ -109,6 +114,11 @@ class Worker:
         On a GPU the block's arrays are views of :attr:`staging`'s reused buffers, valid
         until the next TRAIN: :meth:`mpifl.runtime.protocol.Train.serve` gathers them before
         the worker serves another request.
+
+        A stop request of this rank (``stopping``) ends the training at its next local step:
+        the block is then NaN with NaN seconds, which tells rank 0 to drop the round
+        (:meth:`mpifl.runtime.backends.RemoteClients.train`); the reply's collectives are
+        the same.
         """
         ids, bounds = self.split(req.client_ids)
         t0 = time.perf_counter()
@@ -118,9 +128,18 @@ class Worker:
                               np.empty((0, cols.stats_width), np.float32),
                               time.perf_counter() - t0, rank_counts(bounds))
         state = None if req.state is None else self.staging.to_device(req.state, "state")
-        with client_rows(self.fed, ids, self.trainer) as (idx, _):
-            updates, losses, stats = self.trainer.run_round(self._w(req), req.round, req.lr,
-                                                            ids, idx, req.inputs, state)
+        try:
+            with client_rows(self.fed, ids, self.trainer) as (idx, _), \
+                    stop_between_steps(self.stopping):
+                updates, losses, stats = self.trainer.run_round(self._w(req), req.round,
+                                                                req.lr, ids, idx, req.inputs,
+                                                                state)
+        except TrainingStopped:
+            nan = np.float32(np.nan)
+            return TrainBlock(np.full((len(ids), len(req.w)), nan, np.float32),
+                              np.full(len(ids), nan, np.float32),
+                              np.full((len(ids), cols.stats_width), nan, np.float32),
+                              float("nan"), rank_counts(bounds))
         u, loss, rows = self.staging.to_host(updates, losses, stats_rows(cols, stats, len(ids)))
         return TrainBlock(u, loss, rows, time.perf_counter() - t0, rank_counts(bounds))
 
