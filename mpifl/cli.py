@@ -16,8 +16,6 @@ from pathlib import Path
 from mpifl.core.version import __version__
 from mpifl.runtime.allocator import keep_large_blocks
 from mpifl.core.errors import MpiflError
-from mpifl.sweep.cli import add_sweep_parser
-from mpifl.sweep.report import report_sweep
 
 
 def _env_rank() -> int:
@@ -82,6 +80,8 @@ def _run_seeds(args: argparse.Namespace) -> int:
     if failed:
         raise MpiflError(f"{len(failed)} of {len(runs)} runs did not complete ({', '.join(failed)}); "
                          f"logs under {folder}/logs; run the same command again to resume them")
+    from mpifl.sweep.report import report_sweep
+
     report_sweep(folder, last=3)
     print(f"\n{len(runs)} seeds in {folder}; again with: mpifl report {folder}")
     return 0
@@ -114,6 +114,8 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise MpiflError(f"no such file: {', '.join(missing)} (mpifl report takes results "
                          "files (.h5), folders of them, or one sweep folder)")
     if len(args.runs) == 1 and (Path(args.runs[0]) / INDEX).is_file():  # one sweep folder
+        from mpifl.sweep.report import report_sweep
+
         return report_sweep(args.runs[0], as_json=args.json, last=args.last)
     files, notes = _results_files(args.runs)
     good, damaged = read_many(files)
@@ -370,7 +372,9 @@ def cmd_data_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(run_only: bool = False) -> argparse.ArgumentParser:
+    """The ``mpifl`` parser; ``run_only``: with the ``run`` command alone, which imports
+    nothing heavy (the others' parsers import torch, through the sweep and store modules)."""
     p = argparse.ArgumentParser(prog="mpifl", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"mpifl {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -400,12 +404,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="live logger on rank 0: csv, tensorboard or wandb (repeatable; adds to "
                         "the job's [run] loggers)")
     r.set_defaults(func=cmd_run)
+    if run_only:
+        return p
 
     res = sub.add_parser("resume", help="continue a run from its newest valid checkpoint")
     res.add_argument("run", help="results file of the run (its checkpoints are in RUN.h5.ckpt/)")
     res.add_argument("--rounds", type=int, help="extend the run to this many rounds")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
     res.set_defaults(func=cmd_resume)
+
+    from mpifl.sweep.cli import add_sweep_parser
 
     add_sweep_parser(sub)
 
@@ -529,8 +537,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _precheck_run(argv: list[str]) -> None:
+    """``mpifl run JOB``: refuse a job with an unknown key, table or name before anything
+    imports torch (:mod:`mpifl.experiment.precheck`; the full validation stays the authority).
+    Every rank reads the same file and reaches the same verdict, so a typo ends every rank in
+    well under a second instead of after each has imported torch."""
+    words = list(argv)
+    while words[:1] in (["-v"], ["--verbose"]):
+        words = words[1:]
+    if words[:1] != ["run"] or "torch" in sys.modules or "mpifl.runtime.loggers" in sys.modules:
+        # main() called from Python (a notebook, a test) with the registries imported (all but
+        # the loggers' import torch): they may hold entries of that process's own, which
+        # keys.json does not list, and the full validation is as quick there
+        return
+    args = build_parser(run_only=True).parse_args(argv)  # the full parser's errors, sooner
+    from mpifl.experiment.precheck import check_job
+
+    # --seeds runs without the --log loggers, so they are not the job's there
+    check_job(args.config, args.set, args.log if args.seeds is None else [])
+
+
+def _failed(exc: MpiflError) -> int:
+    """Print ``exc`` as one line (rank 0 only) and give its exit status."""
+    if _env_rank() == 0:
+        label = getattr(exc, "label", "error")  # "stopped" for a signal during set-up
+        print(f"mpifl: {label}: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
+    return exc.exit_status
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        _precheck_run(sys.argv[1:] if argv is None else argv)
+    except MpiflError as exc:
+        return _failed(exc)
+    try:
+        args = build_parser().parse_args(argv)  # imports torch (the sweep and store commands)
+    except KeyboardInterrupt:
+        print("mpifl: interrupted", file=sys.stderr)
+        return 130
     _setup_logging(args.verbose)
     keep_large_blocks()  # before the first big tensor: per-step buffers then reuse the heap
     try:
@@ -543,10 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except MpiflError as exc:
-        if _env_rank() == 0:
-            label = getattr(exc, "label", "error")  # "stopped" for a signal during set-up
-            print(f"mpifl: {label}: " + " ".join(str(exc).split()), file=sys.stderr)  # one line
-        return exc.exit_status
+        return _failed(exc)
     except KeyboardInterrupt:
         print("mpifl: interrupted", file=sys.stderr)
         return 130
