@@ -52,17 +52,21 @@ class SyntheticParams(Params):
     """Synthetic(alpha, beta) of FedProx (:mod:`mpifl.data.synthetic`)."""
 
     legacy: ClassVar[dict[str, str]] = {"synthetic_alpha": "alpha", "synthetic_beta": "beta"}
-    # model heterogeneity: u_k ~ N(0, alpha); 0 = every client's model has mean 0
     alpha: float = Field(1.0, ge=0.0)
-    # data heterogeneity: B_k ~ N(0, beta); 0 = every client's features have mean-0 centres
+    """Model heterogeneity (Li et al., FedProx, MLSys 2020, section 5.1): client k's model mean
+    u_k ~ N(0, alpha), its weights W_k and biases b_k ~ N(u_k, 1); alpha is a standard
+    deviation, as in the paper's reference code. 0: every client's model has mean 0."""
     beta: float = Field(1.0, ge=0.0)
-    # the random numbers behind the same law: "pcg64" (numpy's generator per client, one client
-    # at a time on the CPU) or "counter" (a counter-based hash keyed by client, stream and
-    # index: a lazy run draws a round's clients at once with torch on the worker's device, and
-    # the K sizes at start-up in one vectorised pass; other data than pcg64's, its own
-    # train/test split). Eager and lazy data are the same bits on a CPU; a window drawn on a
-    # GPU equals them within float rounding (mpifl.data.synthetic)
+    """Data heterogeneity: client k's feature centre v_k ~ N(B_k, 1) with B_k ~ N(0, beta)
+    (a standard deviation, as alpha), its samples x ~ N(v_k, diag(j^-1.2)). 0: every client's
+    centres are drawn around 0."""
     generator: Literal["pcg64", "counter"] = "pcg64"
+    """The random numbers behind the same law: "pcg64" (numpy's generator per client, one
+    client at a time on the CPU) or "counter" (a counter-based hash keyed by client, stream and
+    index: a lazy run draws a round's clients at once with torch on the worker's device, and
+    the K sizes at start-up in one vectorised pass). The two give different data, counter with
+    its own train/test split; counter's eager and lazy data are the same bits on a CPU, and a
+    window drawn on a GPU equals them within float rounding (mpifl/data/synthetic.py)."""
 
 
 def _counter_orders(sizes: np.ndarray, *, seed: int) -> np.ndarray:
@@ -114,9 +118,11 @@ class TabularParams(Params):
     """Adult, COMPAS, German credit (:mod:`mpifl.data.tabular`)."""
 
     legacy: ClassVar[dict[str, str]] = {"sensitive_feature": "sensitive_feature"}
-    # the sensitive attribute's one-hot columns are also model inputs (it is always in
-    # FederatedData.sensitive)
     sensitive_feature: bool = True
+    """Keep the sensitive attribute's one-hot columns (sex; German's A9 personal status and
+    sex) among the model's input features, as the usual fair-FL preprocessing does; false drops
+    them (widths 103, 16, 58 instead of 105, 18, 63). Either way it stays each sample's group
+    (0 female, 1 male) for group_skew and the group metrics."""
 
 
 def _tabular_loader(name: str) -> Callable[..., DataPool]:
@@ -152,8 +158,11 @@ def shards(labels: np.ndarray, num_clients: int, rng: np.random.Generator) -> li
 
 class PathologicalParams(Params):
     legacy: ClassVar[dict[str, str]] = {"classes_per_client": "classes_per_client"}
-    # k classes per client (FedLF's Pat-k); the partition refuses more than the data set has
     classes_per_client: int = Field(2, ge=1, le=INT32_MAX)
+    """k, the most classes a client holds (FedLF's "Pat-k", Pan et al., AAAI 2024): each
+    class's shuffled samples are shared equally by the next floor(K k / C) clients with a free
+    class slot, so the last clients may get fewer than k classes. Must be in 1..C with K k >= C.
+    McMahan et al. 2017's split (2 label-sorted shards a client) is partition "shards"."""
 
 
 @register_partition("pathological", params=PathologicalParams, needs=(LABELS,))
@@ -165,8 +174,12 @@ def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
 
 class DirichletParams(Params):
     legacy: ClassVar[dict[str, str]] = {"dirichlet_alpha": "alpha"}
-    # concentration of the per-class Dir(alpha) label shares; small = strong label skew
     alpha: float = Field(0.5, gt=0.0)
+    """Concentration of the label skew (Hsu et al. 2019, in the form of Li et al.'s
+    NIID-Bench, ICDE 2022): each class's samples are split over the K clients in shares
+    p ~ Dir(alpha 1_K), a client already holding N/K samples getting no more. Smaller = more
+    heterogeneous (a class on few clients); large = close to iid. The whole draw is repeated
+    until every client holds at least C samples."""
 
 
 @register_partition("dirichlet", params=DirichletParams, needs=(LABELS,))
@@ -178,9 +191,12 @@ def dirichlet(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
 
 class OneClassParams(Params):
     legacy: ClassVar[dict[str, str]] = {"classes": "classes"}
-    # one class per client; the partition refuses classes the data set lacks
     classes: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
         default_factory=lambda: list(ONE_CLASS_DEFAULT), min_length=1)
+    """Client k holds every sample of class classes[k] (class ids 0..C-1 of the data set, no
+    repeats), relabelled k and split 80/10/10 train/test/unused; needs data.num_clients =
+    len(classes). Default: Fashion-MNIST's T-shirt, pullover and shirt (FedFV Table 3, after
+    AFL and q-FFL)."""
 
     def check_clients(self, num_clients: int) -> None:
         """Raises IncompatibleData unless K = len(classes)."""
@@ -232,10 +248,15 @@ def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, *,
 class GroupSkewParams(Params):
     legacy: ClassVar[dict[str, str]] = {"heterogeneity": "heterogeneity",
                                         "group_proportions": "group_proportions"}
-    # a preset of the mFairFL paper (5 clients, partition.GROUP_SKEW_PRESETS) ...
     heterogeneity: Literal["high", "low"] = "high"
-    # ... or explicit shares, one row of K per sensitive group (replaces the preset)
+    """The mFairFL paper's split (Su et al., AAAI 2024) of the two sensitive groups over 5
+    clients, "high" or "low" heterogeneity (the shares: GROUP_SKEW_PRESETS in
+    mpifl/data/partition.py); needs data.num_clients = 5. Ignored when group_proportions is
+    set."""
     group_proportions: list[list[float]] | None = None
+    """Explicit shares instead of the preset: one row per sensitive group (row a for group
+    id a), each of K shares >= 0 summing to 1; group a's shuffled samples are dealt to the
+    clients in row a's shares (counts within one of n_a p_k)."""
 
     def proportions(self) -> list[list[float]]:
         """The shares used: the explicit ones, else the preset's."""

@@ -213,10 +213,13 @@ def eager_pool(source: ClientSource) -> DataPool:
 class FemnistLikeParams(Params):
     """``femnist_like`` (LEAF FEMNIST's shapes and writer sizes)."""
 
-    # per-pixel noise std (uniform noise) on [0, 1] images; 0 = every sample is its class prototype
     noise: float = Field(0.5, ge=0.0, le=100.0)
-    # std of each writer's smooth offset field; 0 = writers differ only in label shares
+    """Standard deviation of the uniform noise added to each pixel of the class prototype
+    (pixels in [0, 1], clipped after); 0: a writer's samples of a class are all alike."""
     style: float = Field(0.15, ge=0.0, le=100.0)
+    """Standard deviation of each writer's smooth offset field (a 7 x 7 Gaussian field
+    upsampled to 28 x 28, added to all the writer's images: its handwriting); 0: writers differ
+    only in their label shares."""
 
 
 @dataclass(frozen=True)
@@ -275,18 +278,22 @@ def femnist_like(*, seed: int, data_root: str | None = None, num_clients: int, n
 # --------------------------------------------------------------------------- text chains
 
 class _ChainParams(Params):
-    # probability that a token is a fresh Zipf draw rather than the successor of the previous
-    # one; 1 = no dependence on the previous token (unlearnable beyond the unigram law)
     randomness: float = Field(0.4, ge=0.0, le=1.0)
-    # share of the successor map each client redraws; 0 = every client has the same chain
+    """Probability that a token is a fresh draw from the Zipf (exponent 1) unigram law rather
+    than the successor of the previous token in the client's map; 1: no dependence on the
+    previous token (nothing to learn beyond the unigram law), 0: after a fresh start every
+    token follows from the previous one."""
     client_mix: float = Field(0.1, ge=0.0, le=1.0)
+    """Share of the shared successor map's entries that each client redraws (on average): its
+    own next-token habits; 0: every client has the same chain."""
 
 
 class ShakespeareLikeParams(_ChainParams):
     """``shakespeare_like`` (LEAF Shakespeare's shapes and role sizes)."""
 
-    # characters of context per sample (LEAF: 80)
     sequence_length: int = Field(80, ge=1, le=4096)
+    """T, characters of context a sample: x (n_k, T) a window of the role's text, y the next
+    character (LEAF: 80)."""
 
 
 @dataclass(frozen=True)
@@ -338,8 +345,9 @@ def shakespeare_like(*, seed: int, data_root: str | None = None, num_clients: in
 class StackOverflowLikeParams(_ChainParams):
     """``stackoverflow_like`` (TFF StackOverflow's shapes and user sizes)."""
 
-    # tokens per sample (TFF / Reddi et al.: 20)
     sequence_length: int = Field(20, ge=1, le=4096)
+    """T, tokens a sample: a sentence is BOS, its words cut to T, EOS if it fits, PAD after;
+    x its first T tokens, y the next token at each position (TFF / Reddi et al. 2021: 20)."""
 
 
 @dataclass(frozen=True)
@@ -422,14 +430,19 @@ def _cifar_images(rng: np.random.Generator, proto: np.ndarray, y: np.ndarray, no
 class Cifar100LikeParams(Params):
     """``cifar100_like`` (TFF FedCIFAR100's shapes and label skew)."""
 
-    # per-pixel noise std against the unit-variance class prototype
     noise: float = Field(2.0, ge=0.0, le=100.0)
-    # Pachinko allocation: Dir(alpha) over the 20 coarse labels, Dir(beta) over each one's 5
-    # fine labels (Reddi et al. 2021: 0.1 and 10); large alpha = little label skew
+    """Standard deviation of the uniform per-pixel noise against the unit-variance class
+    prototype: an image is (prototype + noise e) / sqrt(1 + noise^2), about mean 0 and
+    variance 1 a pixel; larger = a harder task."""
     alpha: float = Field(0.1, gt=0.0, le=1e6)
+    """Pachinko allocation, first level: a client's shares of the 20 coarse labels
+    ~ Dir(alpha) (TFF's FedCIFAR100, Reddi et al. 2021, appendix C: 0.1); small = each client
+    sees few coarse labels, large = little label skew."""
     beta: float = Field(10.0, gt=0.0, le=1e6)
-    # images a client (TFF: 100)
+    """Pachinko allocation, second level: a client's shares of each coarse label's 5 fine
+    labels ~ Dir(beta) (Reddi et al. 2021: 10); small = few fine labels of each coarse one."""
     samples_per_client: int = Field(100, ge=2, le=2**31 - 1)
+    """Images a client, the same for every client (TFF: 100)."""
 
 
 @dataclass(frozen=True)
@@ -475,10 +488,13 @@ def cifar100_like(*, seed: int, data_root: str | None = None, num_clients: int, 
 class Cifar10LikeParams(Params):
     """``cifar10_like`` (CIFAR-10's pool, split by a partition)."""
 
-    # per-pixel noise std against the unit-variance class prototype
     noise: float = Field(2.0, ge=0.0, le=100.0)
-    # images in the pool, equally many a class (CIFAR-10: 60,000)
+    """Standard deviation of the uniform per-pixel noise against the unit-variance class
+    prototype: an image is (prototype + noise e) / sqrt(1 + noise^2), about mean 0 and
+    variance 1 a pixel; larger = a harder task."""
     num_samples: int = Field(60_000, ge=10, le=2**31 - 1)
+    """N, images in the pool, equally many a class (N // 10 or one more), split over clients
+    by the partition (CIFAR-10: 60,000, train and test pooled as mpifl's cifar10 is)."""
 
 
 #: images drawn per generator (block b from [seed, CIFAR10_TAG, b]): bounds the temporaries

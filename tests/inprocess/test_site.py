@@ -1,8 +1,9 @@
 """The documentation site's reference is generated from the code and complete.
 
-Every config key (every section, every registered rule's table, ``[system]`` and its tiers)
-has a description (its field docstring) and every command-line subcommand and flag a help text;
-the generator in ``docs/hooks.py`` puts each of them on its page. The last test builds the whole
+Every config key (every section, every registered rule's table, ``[system]`` and its tiers,
+the ``[data.params]`` / ``[data.partition_params]`` keys of each of mpifl's data sets and
+partitions) has a description (its field docstring) and every command-line subcommand and flag
+a help text; the generator in ``docs/hooks.py`` puts each of them on its page. The last test builds the whole
 site with warnings as errors, as CI does.
 """
 
@@ -53,6 +54,24 @@ def _keys() -> list[tuple[str, str, object]]:
             for key, field in model.model_fields.items()]
 
 
+def _entry_keys() -> list[tuple[str, str, object]]:
+    """(heading of its table on the reference page, key, field) of every key of the ``Params``
+    of every registered data set (``[data.params]``) and partition
+    (``[data.partition_params]``) defined in mpifl; plugins that tests register are left out."""
+    from mpifl.data.registry import DATASET_LOADERS, PARTITIONERS, params_class
+
+    out = []
+    for kind, registry, table in (("data set", DATASET_LOADERS, "[data.params]"),
+                                  ("partition", PARTITIONERS, "[data.partition_params]")):
+        for name in registry.available():
+            params = params_class(registry.get(name))
+            if params is None or params.__module__.partition(".")[0] != "mpifl":
+                continue
+            out += [(f"`{table}` of {kind} `{name}`", key, field)
+                    for key, field in params.model_fields.items()]
+    return out
+
+
 def _actions(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("mpifl",)):
     """(command words, action) of every argument of ``parser`` and its subcommands, and
     (command words, None, help) of every subcommand."""
@@ -76,8 +95,17 @@ def test_the_schema_has_every_table():
     assert rules and set(rules) <= titles, set(rules) - titles
 
 
+def test_the_data_tables_are_found():
+    """The keys below are real: a data set's and a partition's (else the tests that go over
+    :func:`_entry_keys` would pass on nothing)."""
+    found = {(title, key) for title, key, _ in _entry_keys()}
+    assert {("`[data.params]` of data set `synthetic`", "alpha"),
+            ("`[data.partition_params]` of partition `dirichlet`", "alpha")} <= found
+
+
 def test_every_config_key_has_a_description():
     missing = [f"{t}.{k}" for t, k, f in _keys() if not (f.description or "").strip()]
+    missing += [f"{t}: {k}" for t, k, f in _entry_keys() if not (f.description or "").strip()]
     assert not missing, ("config keys without a description (a docstring right below the "
                          f"field): {missing}")
 
@@ -97,7 +125,7 @@ def _blocks(markdown: str) -> dict[str, str]:
 def test_the_config_reference_lists_every_key_with_its_default():
     hooks = _hooks()
     blocks = _blocks(hooks.config_reference())
-    absent = []
+    keys = []  # (where, the Markdown of its table, key, field)
     for title, key, field in _keys():
         if "." in title:  # a nested list of tables: its rows follow its section's
             section, _, nested = title.partition(".")
@@ -105,13 +133,19 @@ def test_the_config_reference_lists_every_key_with_its_default():
         else:
             block = blocks.get(f"`[{title}]`", "")
             block = block.split("`[[", 1)[0]
+        keys.append((f"{title}.{key}", block, key, field))
+    # the data sets' and partitions' tables, each under its own heading
+    keys += [(f"{title}: {key}", blocks.get(title, ""), key, field)
+             for title, key, field in _entry_keys()]
+    absent = []
+    for where, block, key, field in keys:
         row = next((line for line in block.splitlines() if line.startswith(f"| `{key}` |")),
                    None)
         if row is None:
-            absent.append(f"{title}.{key}")
+            absent.append(where)
             continue
-        assert hooks._code(hooks._default(field)) in row, (title, key, row)
-        assert hooks._cell(field.description) in row, (title, key, row)
+        assert hooks._code(hooks._default(field)) in row, (where, row)
+        assert hooks._cell(field.description) in row, (where, row)
     assert not absent, f"keys missing from the generated configuration reference: {absent}"
 
 
