@@ -138,6 +138,10 @@ def pytest_collection_modifyitems(config, items):
                 report=pytest.CollectReport(item.nodeid, "failed", line, []))
     if misplaced:
         items[:] = [item for item in items if item.nodeid not in misplaced]
+    # the files that read the world last: pytest-xdist hands out files in this order, so its
+    # workers run every other file while the world's ranks make the runs, instead of waiting
+    readers = {item.path for item in items if "world" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: item.path in readers)  # stable: each file's order is kept
 
 
 def _shared_folder(config) -> Path:

@@ -1,8 +1,8 @@
 """Run the test suite's tiers one after another and print each one's wall time against its
 budget (``make test``, ``make check``; CONTRIBUTING.md, "The suite's map").
 
-    python tools/tiers.py test      # checks; in-process (with the shared MPI world) beside the
-                                    # SLURM tests; real ranks
+    python tools/tiers.py test      # checks; in-process (with the shared MPI world); real
+                                    # ranks, the SLURM tests beside them
     python tools/tiers.py check     # lint, types, the in-process tests without MPI
 
 Every tier runs even when an earlier one fails, so one run shows every failure and every
@@ -26,9 +26,10 @@ PY = sys.executable
 #: spent waiting (for a kill point, a timeout, a SLURM daemon), and a file's tests stay in order
 IN_PROCESS = [PY, "-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile"]
 REAL_RANKS = [PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
-#: the SLURM tests one at a time, in a process of their own beside the in-process tier: they
-#: spend most of their time waiting for the daemons (a node declared lost, a requeue, the
-#: scheduler's interval), which the in-process tests fill with work
+#: the SLURM tests one at a time, in a pytest of their own beside the real-rank tier: both
+#: spend most of their time waiting (for the daemons: a node declared lost, a requeue, the
+#: scheduler's interval; for a kill point, a timeout), and each fills the other's waits (the
+#: in-process tier keeps both cores busy: nothing beside it)
 SLURM = [PY, "-m", "pytest", "-q", "-m", "slurm and not replay", "--durations=12"]
 
 #: (tier, commands one after another, commands alongside them, budget in seconds on a 2-core
@@ -39,11 +40,12 @@ TIERS = {
                                           [PY, "-m", "mypy"],
                                           [PY, "-m", "mkdocs", "build", "--strict", "-q",
                                            "-d", "build/site"]], [], 60),
-        ("in-process tests, shared MPI world; SLURM",
+        ("in-process tests and the shared MPI world",
          [[*IN_PROCESS, "-m", "not mpi and not slurm and not replay", "--durations=15"]],
-         [SLURM], 660),
-        ("real ranks: mpi",
-         [[*REAL_RANKS, "-m", "mpi and not slurm and not replay", "--durations=25"]], [], 420),
+         [], 630),
+        ("real ranks: mpi; SLURM beside it",
+         [[*REAL_RANKS, "-m", "mpi and not slurm and not replay", "--durations=25"]], [SLURM],
+         510),
     ],
     "check": [
         ("lint and types", [[PY, "-m", "ruff", "check", "mpifl", "tests"], [PY, "-m", "mypy"]],

@@ -18,6 +18,7 @@ import pytest
 
 from mpifl.runtime.schedule import DEFAULT_SHARE, CheckpointSchedule, default_every
 from tests.helpers import kill_tree, write_fmnist_job
+from tests.inprocess.test_cluster_comforts import _report
 
 
 class Clock:
@@ -127,9 +128,10 @@ def _computed(path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 def test_a_killed_run_with_default_checkpoints_resumes_near_the_kill(tmp_path_factory):
-    """With nothing set about checkpoints, a run SIGKILLed after round 100 of 200 resumes from a
-    checkpoint after round 100 or later (before, from round 0 unless 10 minutes had passed), and
-    ends bit-identical to the uninterrupted run."""
+    """With nothing set about checkpoints, a run SIGKILLed after round 100 of 200 is reported
+    interrupted and resumable, resumes from a checkpoint after round 100 or later (before, from
+    round 0 unless 10 minutes had passed), and ends bit-identical to the uninterrupted run.
+    (The kill of a multi-rank run and its exact resume: tests/mpi/test_resume.py.)"""
     job = write_fmnist_job(tmp_path_factory, "default-ckpt.toml", JOB)
     tmp = job.parent
     ref = tmp / "ref.h5"
@@ -151,9 +153,12 @@ def test_a_killed_run_with_default_checkpoints_resumes_near_the_kill(tmp_path_fa
         kill_tree(proc.pid)
         proc.wait()
     assert proc.returncode != 0, "the run ended before it could be killed"
+    status = _report(out)  # what a user sees of the killed run
+    assert "interrupted at round" in status and re.search(r"resumable from round \d+", status)
     resumed = _run("run", str(job), "--out", str(out), "--resume")
     after = int(re.search(r"resuming after round (\d+)", resumed.stderr).group(1))
     assert after >= 100, resumed.stderr[-2000:]
     a, b = _computed(ref), _computed(out)
     for key in a:
         assert np.array_equal(a[key], b[key], equal_nan=True), key
+    assert "complete" in _report(out)

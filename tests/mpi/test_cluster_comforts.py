@@ -1,12 +1,11 @@
-"""Long cluster runs on real MPI ranks started by mpiexec: a run with the default settings
-SIGKILLed mid-run and resumed against the shared world's uninterrupted run, ``checkpoint_every
-= 0`` leaving a killed run not resumable, and the recorded peak memory against the OS's peak
+"""Long cluster runs on real MPI ranks started by mpiexec: ``checkpoint_every = 0`` leaving a
+killed run not resumable (a killed run with the default checkpoints resumes exactly:
+tests/inprocess/test_checkpoint_schedule.py), and the recorded peak memory against the OS's peak
 of each rank's process (GNU time around every rank). They need real ranks because the kill
 hits the launched processes, and the OS's peak is that of each rank's own process."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
@@ -16,13 +15,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import kill_tree
-from tests.inprocess.test_cluster_comforts import JOB, _job, _report
-from tests.world import world_run
-
-#: the uninterrupted run of the default-settings kill test
-DEFAULTS = world_run("comfort-defaults", ["run", "{dir}/comfort.toml", "--out",
-                                          "{dir}/comfort-defaults.h5", "--no-progress"],
-                     files={"comfort.toml": JOB.format(extra="")}, for_mpi=True)
+from tests.inprocess.test_cluster_comforts import _job, _report
 
 
 def _kill_when(cmd, ready, tmp_path) -> None:
@@ -48,28 +41,6 @@ def _rounds_written(path) -> int:
             return len(f["rounds/round"])
     except (OSError, KeyError):
         return 0
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_a_run_with_default_settings_is_resumable_after_sigkill(tmp_path, world):
-    from mpifl.store.checkpoint import folder_for
-    from tests.inprocess.test_resume import command, contents, run
-
-    job = _job(tmp_path)  # no checkpoint_every: the defaults alone
-    want = world.file(DEFAULTS)
-    out = tmp_path / "killed.h5"
-    _kill_when(command(3, "run", str(job), "--out", str(out)),
-               lambda: any(folder_for(out).glob("round-*.h5")) and _rounds_written(out) >= 3,
-               tmp_path)
-    status = _report(out)
-    # the default checkpoints by rounds (2% of 30: every round, held to 4% of the time)
-    assert "interrupted at round" in status and re.search(r"resumable from round \d+", status)
-    run(3, "run", str(job), "--out", str(out), "--resume")
-    got, ref = contents(out), contents(want)
-    for key in (k for k in ref if k.startswith(("model/", "eval/"))):
-        assert np.array_equal(got[key], ref[key], equal_nan=True), key
-    assert "complete" in _report(out)
 
 
 @pytest.mark.mpi

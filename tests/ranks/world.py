@@ -95,7 +95,10 @@ def _isolated():
     after it; torch's thread count is restored."""
     import torch
 
-    import mpifl.cli  # noqa: F401 -- mpifl's own modules are shared by every run
+    # mpifl's own modules (and their registries) are shared by every run: imported before
+    # the snapshot, so that what a run's plugins add to them is seen and undone
+    import mpifl.cli  # noqa: F401
+    import mpifl.experiment.run  # noqa: F401
 
     states = [(d, dict(d)) for d in _module_state()]
     modules, path, threads = set(sys.modules), list(sys.path), torch.get_num_threads()
