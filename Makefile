@@ -52,8 +52,8 @@ docs:
 
 # The full suite (what CI runs; at most 20 minutes on 2 cores): lint, types and the site, every
 # in-process test on every core while one launched MPI world makes the runs they read
-# (tests/world.py), then the tests that need real ranks of their own with the SLURM tests beside
-# them (both mostly wait). tools/tiers.py prints each tier's wall time against its budget.
+# (tests/world.py), then the tests that need real ranks or the SLURM cluster, two files at a time
+# (they mostly wait). tools/tiers.py prints each tier's wall time against its budget.
 test: install data slurm-deps
 	$(PYTHON) tools/tiers.py test
 

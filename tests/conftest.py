@@ -159,6 +159,6 @@ def pytest_collection_finish(session):
 
 @pytest.fixture(scope="session")
 def world(request) -> shared_world.World:
-    """The shared MPI world's finished runs (tests/world.py): launched once for the session's
-    selected tests, by whichever pytest-xdist worker gets there first."""
-    return shared_world.start(request.session.items, _shared_folder(request.config)).result()
+    """The shared MPI world's runs (tests/world.py): launched once for the session's selected
+    tests, by whichever pytest-xdist worker gets there first; each run read once it has ended."""
+    return shared_world.now(request.session.items, _shared_folder(request.config))

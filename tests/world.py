@@ -15,7 +15,10 @@ and a test reads them through the session fixture ``world`` (``tests/conftest.py
 The first test that asks starts **one** world (``tests/ranks/world.py``) that performs every
 declared run that the session's selected tests need, each on a sub-communicator of the ranks it
 asks for, through the command line's entry point (``mpifl.cli.main``); every other test, on any
-pytest-xdist worker, waits for it behind a file lock and reads the same files. Adding a run
+pytest-xdist worker, waits for it behind a file lock and reads the same files. The world is two
+launches at once (:data:`STREAMS`), each with its share of the runs in their declared order (a
+run and the runs that use its output in the same one), so that no core idles while a run has
+one rank. Adding a run
 adds a run to that world, not a launch. ``{dir}`` in a run's argv is the world's folder; files
 a run needs (job files) are written there first.
 """
@@ -105,7 +108,8 @@ def world_run(name: str, argv: list[str], *, ranks: int = 3, files: dict[str, st
 
 @dataclass
 class World:
-    """The finished world: each run's files in ``folder``."""
+    """The world: each run's files in ``folder``, read as soon as that run has ended (its
+    ``.status`` file), while the world's later runs go on."""
 
     folder: Path
     runs: dict[str, WorldRun] = field(default_factory=dict)
@@ -113,19 +117,30 @@ class World:
     def path(self, name: str) -> Path:
         return self.folder / name
 
+    def _ended(self, run: WorldRun) -> Path:
+        """The run's status file, once the run has ended or the world has (then it may be
+        missing)."""
+        if run.name not in self.runs:
+            pytest.fail(f"world run {run.name!r} was not started: its module's tests were "
+                        "not selected (tests/world.py)", pytrace=False)
+        status, done = self.folder / f"{run.name}.status", self.folder / "world.log"
+        deadline = time.monotonic() + WORLD_TIMEOUT_S
+        while not status.exists() and not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return status
+
     def output(self, run: WorldRun) -> str:
         """Everything the run's ranks printed (rank 0 first)."""
+        self._ended(run)
         parts = sorted(self.folder.glob(f"{run.name}.out.*"), key=lambda p: int(p.suffix[1:]))
         return "".join(p.read_text(errors="replace") for p in parts)
 
     def status(self, run: WorldRun) -> int:
         """The run's exit status; fails the test when the run never ended."""
-        if run.name not in self.runs:
-            pytest.fail(f"world run {run.name!r} was not started: its module's tests were "
-                        "not selected (tests/world.py)", pytrace=False)
-        status = self.folder / f"{run.name}.status"
+        status = self._ended(run)
         if not status.exists():
-            log = (self.folder / "world.log").read_text(errors="replace")[-3000:]
+            log = (self.folder / "world.log").read_text(errors="replace")[-3000:] \
+                if (self.folder / "world.log").exists() else "(the world did not end)"
             pytest.fail(f"world run {run.name!r} did not end (the world stopped before it):\n"
                         f"{log}\n{self.output(run)[-3000:]}", pytrace=False)
         return int(status.read_text())
@@ -149,31 +164,88 @@ def needed(items) -> dict[str, WorldRun]:
     return {n: r for n, r in _RUNS.items() if (r.module, r.for_mpi) in wanted}
 
 
-def _launch(runs: dict[str, WorldRun], folder: Path) -> None:
-    from tests.helpers import mpiexec
+#: how many launches share the world's runs (they run at once; each keeps its runs' order)
+STREAMS = 2
 
+
+def _streams(runs: dict[str, WorldRun], count: int = STREAMS) -> list[list[WorldRun]]:
+    """The runs split into ``count`` lists that can run at the same time: runs that name the
+    same output under ``{dir}`` (a run and its resume, a report of it) stay in one list, in
+    their declared order; the groups go to the list with the least work so far (runs x ranks).
+    One launch alone leaves a core idle whenever its run has one rank, or while the tests that
+    read the world wait for it."""
+    inputs = {name for r in runs.values() for name, _ in r.files}
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for r in runs.values():
+        for arg in r.argv:
+            if "{dir}/" in arg:
+                top = arg.split("{dir}/", 1)[1].split("/")[0]
+                out = top.removesuffix(".ckpt").removesuffix(".h5")
+                if top not in inputs:
+                    parent[root(r.name)] = root("out:" + out)
+    groups: dict[str, list[WorldRun]] = {}
+    for r in runs.values():
+        groups.setdefault(root(r.name), []).append(r)
+    streams: list[list[WorldRun]] = [[] for _ in range(count)]
+    work = [0] * count
+    for group in groups.values():
+        i = work.index(min(work))
+        streams[i] += group
+        work[i] += sum(r.ranks for r in group)
+    return [s for s in streams if s]
+
+
+def _launch(runs: dict[str, WorldRun], folder: Path) -> None:
     for run in runs.values():
         for name, text in run.files:
             (folder / name).write_text(text.replace("{dir}", str(folder)))
+    start, lines = time.monotonic(), ["the world failed to launch\n"]
+    try:
+        with ThreadPoolExecutor(STREAMS, thread_name_prefix=THREAD) as pool:  # mpiexec allowed
+            lines = list(pool.map(lambda x: _launch_stream(x[1], folder, x[0]),
+                                  enumerate(_streams(runs))))
+    finally:  # the world has ended (the tests waiting on a run then stop waiting)
+        (folder / "world.log").write_text(
+            "".join(lines) + f"\nworld of {len(lines)} launches, {len(runs)} runs: done in "
+            f"{time.monotonic() - start:.1f} s\n")
+
+
+def _launch_stream(runs: list[WorldRun], folder: Path, index: int) -> str:
+    """One launch of ``runs`` in order; its log's text."""
+    from tests.helpers import mpiexec
+
     specs = [{**r.spec(), "argv": [a.replace("{dir}", str(folder)) for a in r.argv]}
-             for r in runs.values()]
-    manifest = folder / "manifest.json"
+             for r in runs]
+    manifest = folder / f"manifest-{index}.json"
     manifest.write_text(json.dumps(specs, indent=1))
-    size = max(r.ranks for r in runs.values())
+    size = max(r.ranks for r in runs)
     start = time.monotonic()
-    with open(folder / "world.log", "w") as log:
+    log = folder / f"world-{index}.log"
+    with open(log, "w") as out:
         proc = subprocess.run([mpiexec(), "-n", str(size), sys.executable, str(SCRIPT),
-                               str(manifest)], stdout=log, stderr=subprocess.STDOUT,
+                               str(manifest)], stdout=out, stderr=subprocess.STDOUT,
                               env={**os.environ, **ENV}, timeout=WORLD_TIMEOUT_S, cwd=folder)
-        log.write(f"\nworld of {size} ranks, {len(runs)} runs: exit {proc.returncode} "
-                  f"in {time.monotonic() - start:.1f} s\n")
+    return (log.read_text(errors="replace")
+            + f"\nlaunch {index}: {size} ranks, {len(runs)} runs: exit {proc.returncode} in "
+            f"{time.monotonic() - start:.1f} s\n")
+
+
+def _folder(runs: dict[str, WorldRun], shared: Path) -> Path:
+    """The world's folder in ``shared``: one per set of runs (their specs and files)."""
+    key = hashlib.sha256(json.dumps([r.spec() for r in runs.values()]).encode()
+                         + repr([r.files for r in runs.values()]).encode()).hexdigest()[:12]
+    return shared / f"world-{key}"
 
 
 def _build(runs: dict[str, WorldRun], shared: Path) -> World:
-    key = hashlib.sha256(json.dumps([r.spec() for r in runs.values()]).encode()
-                         + repr([r.files for r in runs.values()]).encode()).hexdigest()[:12]
-    folder = shared / f"world-{key}"
-    with FileLock(str(shared / f"world-{key}.lock")):
+    folder = _folder(runs, shared)
+    with FileLock(str(folder) + ".lock"):
         if not (folder / "world.log").exists():
             folder.mkdir(parents=True, exist_ok=True)
             _launch(runs, folder)
@@ -194,6 +266,16 @@ def start(items, shared: Path) -> Future:
         _STARTED = ThreadPoolExecutor(1, thread_name_prefix=THREAD).submit(
             _build, runs, shared) if runs else _done(World(shared, {}))
     return _STARTED
+
+
+def now(items, shared: Path) -> World:
+    """The world for ``items`` (:func:`start`), at once: a test reads a run when that run has
+    ended, not when the whole world has. Fails when the world could not start."""
+    future = start(items, shared)
+    if future.done() and future.exception() is not None:
+        raise future.exception()  # type: ignore[misc]
+    runs = needed(items)
+    return World(_folder(runs, shared), runs) if runs else future.result()
 
 
 def _done(world: World) -> Future:

@@ -1,8 +1,7 @@
 """Run the test suite's tiers one after another and print each one's wall time against its
 budget (``make test``, ``make check``; CONTRIBUTING.md, "The suite's map").
 
-    python tools/tiers.py test      # checks; in-process (with the shared MPI world); real
-                                    # ranks, the SLURM tests beside them
+    python tools/tiers.py test      # checks, in-process (with the shared MPI world), real ranks
     python tools/tiers.py check     # lint, types, the in-process tests without MPI
 
 Every tier runs even when an earlier one fails, so one run shows every failure and every
@@ -26,33 +25,25 @@ PY = sys.executable
 #: spent waiting (for a kill point, a timeout, a SLURM daemon), and a file's tests stay in order
 IN_PROCESS = [PY, "-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile"]
 REAL_RANKS = [PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
-#: the SLURM tests one at a time, in a pytest of their own beside the real-rank tier: both
-#: spend most of their time waiting (for the daemons: a node declared lost, a requeue, the
-#: scheduler's interval; for a kill point, a timeout), and each fills the other's waits (the
-#: in-process tier keeps both cores busy: nothing beside it)
-SLURM = [PY, "-m", "pytest", "-q", "-m", "slurm and not replay", "--durations=12"]
 
-#: (tier, commands one after another, commands alongside them, budget in seconds on a 2-core
-#: machine)
+#: (tier, commands, budget in seconds on a 2-core machine)
 TIERS = {
     "test": [
         ("checks: ruff, mypy, the site", [[PY, "-m", "ruff", "check", "mpifl", "tests"],
                                           [PY, "-m", "mypy"],
                                           [PY, "-m", "mkdocs", "build", "--strict", "-q",
-                                           "-d", "build/site"]], [], 60),
+                                           "-d", "build/site"]], 60),
         ("in-process tests and the shared MPI world",
-         [[*IN_PROCESS, "-m", "not mpi and not slurm and not replay", "--durations=15"]],
-         [], 630),
-        ("real ranks: mpi; SLURM beside it",
-         [[*REAL_RANKS, "-m", "mpi and not slurm and not replay", "--durations=25"]], [SLURM],
-         510),
+         [[*IN_PROCESS, "-m", "not mpi and not slurm and not replay", "--durations=15"]], 600),
+        ("real ranks: mpi and slurm",
+         [[*REAL_RANKS, "-m", "(mpi or slurm) and not replay", "--durations=25"]], 540),
     ],
     "check": [
         ("lint and types", [[PY, "-m", "ruff", "check", "mpifl", "tests"], [PY, "-m", "mypy"]],
-         [], 60),
+         60),
         ("in-process tests without MPI",
          [[*IN_PROCESS, "-m", "not mpi and not slurm and not slow and not world and not replay"]],
-         [], 240),
+         240),
     ],
 }
 #: the whole of each target (README.md, CONTRIBUTING.md)
@@ -74,41 +65,22 @@ def _counts(report: Path) -> tuple[int, int, int]:
     return tests - failed - skipped, failed, skipped
 
 
-def _reported(cmd: list[str], report: Path) -> list[str]:
-    """``cmd`` with a JUnit XML report where it runs pytest (the closing counts)."""
-    return [*cmd, f"--junitxml={report}"] if "pytest" in cmd else cmd
-
-
-def _start(cmd: list[str], report: Path, log: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """Start ``cmd`` in the background, its output into ``log``."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(_reported(cmd, report), env=os.environ, stdout=out,
-                                stderr=subprocess.STDOUT)
-    return proc, report, log
-
-
 def main(target: str) -> int:
     results = []
     counts = [0, 0, 0]
     start = time.monotonic()
     reports = Path(tempfile.mkdtemp(prefix="mpifl-tiers-"))
-    for i, (name, commands, alongside, budget) in enumerate(TIERS[target]):
+    for i, (name, commands, budget) in enumerate(TIERS[target]):
         t0, status = time.monotonic(), 0
         print(f"\n=== {name} ===", flush=True)
-        beside = [_start(cmd, reports / f"{i}-b{j}.xml", reports / f"{i}-b{j}.log")
-                  for j, cmd in enumerate(alongside)]
         for j, cmd in enumerate(commands):
             report = reports / f"{i}-{j}.xml"
-            status = subprocess.run(_reported(cmd, report), env=os.environ).returncode
+            if "pytest" in cmd:
+                cmd = [*cmd, f"--junitxml={report}"]
+            status = subprocess.run(cmd, env=os.environ).returncode
             counts = [a + b for a, b in zip(counts, _counts(report))]
             if status:
                 break
-        for proc, report, log in beside:  # their output after the tier's own, not mixed in
-            beside_status = proc.wait()
-            print(f"\n--- alongside: {' '.join(proc.args[2:])} ---\n{log.read_text()}",
-                  end="", flush=True)
-            counts = [a + b for a, b in zip(counts, _counts(report))]
-            status = status or beside_status
         results.append((name, time.monotonic() - t0, budget, status))
     total = time.monotonic() - start
     print(f"\n=== make {target}: wall time per tier (budget on a 2-core machine) ===")

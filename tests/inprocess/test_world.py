@@ -97,3 +97,41 @@ def test_only_the_worlds_own_thread_may_start_mpiexec_from_an_unmarked_test():
         thread.start()
         thread.join()
     assert started == [True, False]
+
+
+def test_a_run_is_read_once_it_has_ended_not_when_the_whole_world_has(tmp_path):
+    """``world.status`` waits for that run's status file only; once the world has ended
+    (world.log) a run without one fails the test instead of waiting."""
+    done = shared_world.WorldRun("done", ("run",), 1, "m")
+    late = shared_world.WorldRun("late", ("run",), 1, "m")
+    world = shared_world.World(tmp_path, {"done": done, "late": late})
+
+    def end_the_run():
+        (tmp_path / "done.status").write_text("0\n")
+
+    timer = threading.Timer(0.2, end_the_run)
+    timer.start()
+    assert world.status(done) == 0  # the rest of the world is still going (no world.log)
+    timer.join()
+    (tmp_path / "world.log").write_text("world of 2 launches: done\n")
+    with pytest.raises(pytest.fail.Exception, match="world run 'late' did not end"):
+        world.status(late)
+
+
+def test_the_world_is_split_so_that_a_run_and_its_resume_share_a_launch():
+    """Two launches at once; a run, its resume and a report of it (the same output under
+    {dir}) in one, in their declared order; input files shared by many runs tie nothing."""
+    runs = {r.name: r for r in [
+        shared_world.WorldRun("a", ("run", "{dir}/job.toml", "--out", "{dir}/a.h5"), 3, "m",
+                              files=(("job.toml", ""),)),
+        shared_world.WorldRun("b", ("run", "{dir}/job.toml", "--out", "{dir}/b.h5"), 1, "m",
+                              files=(("job.toml", ""),)),
+        shared_world.WorldRun("a-resumed", ("resume", "{dir}/a.h5"), 3, "m"),
+        shared_world.WorldRun("c", ("run", "{dir}/job.toml", "--out", "{dir}/c.h5"), 1, "m"),
+        shared_world.WorldRun("a-report", ("report", "{dir}/a.h5.ckpt"), 1, "m"),
+    ]}
+    streams = shared_world._streams(runs)
+    assert len(streams) == 2 and sorted(r.name for s in streams for r in s) == sorted(runs)
+    (with_a,) = [[r.name for r in s] for s in streams if runs["a"] in s]
+    assert [n for n in with_a if n.startswith("a")] == ["a", "a-resumed", "a-report"]
+    assert {"b", "c"} - set(with_a)  # the other launch got work

@@ -144,7 +144,9 @@ def main(manifest: Path) -> None:
             statuses = sub.gather(status, root=0)
             if rank == 0:
                 worst = max(statuses, key=abs)
-                (folder / f"{run['name']}.status").write_text(f"{worst}\n")
+                done = folder / f"{run['name']}.status"  # whole or absent: tests wait on it
+                done.with_suffix(".tmp").write_text(f"{worst}\n")
+                done.with_suffix(".tmp").replace(done)
             sub.Free()
         wait_idle(world.Ibarrier(), max_sleep=0.01)  # idle ranks leave the cores to the run
 
