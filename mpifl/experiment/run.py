@@ -466,7 +466,6 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
                      LocalState.of(own.local.rows.numpy(), own.local.index, parts.layout))
             writer.finish(w.detach().cpu().numpy(), layers, local)
         code = 0 if finished else EXIT_CHECKPOINTED
-        clients.stop(code)  # only on success: after a failure the job is aborted instead
     except BaseException:
         writer.try_flush()  # keep every row computed so far, if the disk allows
         raise
@@ -474,6 +473,10 @@ def _serve_rounds(plan: Plan, parts, clients, out, start: Start, size, device, s
         writer.close()
         loggers.close()
     log.info("results written to %s%s", out, "" if finished else " (stopped early; resume to continue)")
+    # only on success (after a failure the job is aborted instead), and only once the results
+    # file is closed: a worker that exits 3 before this rank does can end it (srun
+    # --kill-on-bad-exit), which must not catch the file open
+    clients.stop(code)
     return code
 
 
