@@ -50,6 +50,12 @@ def memory_bound() -> tuple[float, str]:
                 found.append((int(line.split()[1]) * 1024.0, "MemAvailable"))
     except (OSError, ValueError, IndexError):
         pass
+    if not found:
+        try:
+            found.append((float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")),
+                          "free physical memory"))
+        except (OSError, ValueError, AttributeError):
+            pass
     try:  # cgroup v2: the container's limit minus what it uses
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":

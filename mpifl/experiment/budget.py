@@ -83,13 +83,13 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
+from mpifl.data.bounds import memory_bound
 from mpifl.data.registry import DATASET_LOADERS, DataShape, data_shape
 from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, get_loss
@@ -250,30 +250,7 @@ def available_memory() -> tuple[float, str]:
     Raises:
         ConfigError: ``MPIFL_MEMORY_LIMIT_MB`` is not a positive number.
     """
-    env = _env_limit(LIMIT_VAR)
-    if env is not None:
-        return env, LIMIT_VAR
-    found: list[tuple[float, str]] = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                found.append((int(line.split()[1]) * 1024.0, "MemAvailable"))
-    except (OSError, ValueError, IndexError):
-        pass
-    if not found:
-        try:
-            found.append((float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")),
-                          "free physical memory"))
-        except (OSError, ValueError, AttributeError):
-            pass
-    try:  # cgroup v2: the container's limit minus what it uses
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            found.append((max(0.0, float(int(limit) - used)), "the cgroup's memory.max"))
-    except (OSError, ValueError):
-        pass
-    return min(found) if found else (math.inf, "unknown")
+    return memory_bound()  # the readers' bound too (mpifl.data.bounds)
 
 
 # ------------------------------------------------------------------------------------ the parts
