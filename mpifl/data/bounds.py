@@ -22,10 +22,28 @@ from pathlib import Path
 
 from mpifl.core.errors import ConfigError, DataError
 
-__all__ = ["LIMIT_VAR", "check_memory", "memory_bound", "size_text"]
+__all__ = ["LIMIT_VAR", "check_memory", "env_limit", "memory_bound", "size_text"]
 
 #: the environment variable that sets this node's memory in MiB (the budget's too)
 LIMIT_VAR = "MPIFL_MEMORY_LIMIT_MB"
+
+
+def env_limit(var: str) -> float | None:
+    """Bytes the environment variable ``var`` sets in MiB, or None when it is not set.
+
+    Raises:
+        ConfigError: it is set to something other than a positive number.
+    """
+    text = os.environ.get(var, "")
+    if not text.strip():
+        return None
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = math.nan
+    if not (mb > 0 and math.isfinite(mb)):
+        raise ConfigError(f"{var}={text!r}: expected a positive number of MiB")
+    return mb * 2**20
 
 
 def memory_bound() -> tuple[float, str]:
@@ -34,15 +52,9 @@ def memory_bound() -> tuple[float, str]:
     Raises:
         ConfigError: ``MPIFL_MEMORY_LIMIT_MB`` is set to something other than a positive number.
     """
-    text = os.environ.get(LIMIT_VAR, "")
-    if text.strip():
-        try:
-            mb = float(text)
-        except ValueError:
-            mb = math.nan
-        if not (mb > 0 and math.isfinite(mb)):
-            raise ConfigError(f"{LIMIT_VAR}={text!r}: expected a positive number of MiB")
-        return mb * 2**20, LIMIT_VAR
+    env = env_limit(LIMIT_VAR)
+    if env is not None:
+        return env, LIMIT_VAR
     found: list[tuple[float, str]] = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -89,7 +89,7 @@ import torch
 
 from mpifl import aggregators
 from mpifl.core.errors import ConfigError
-from mpifl.data.bounds import memory_bound
+from mpifl.data.bounds import env_limit, memory_bound
 from mpifl.data.registry import DATASET_LOADERS, DataShape, data_shape
 from mpifl.experiment.config import Config
 from mpifl.models import MODEL_FACTORIES, get_loss
@@ -223,24 +223,6 @@ def world_size() -> int | None:
     if substituted():
         return launched_size()
     return _env_int("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS")
-
-
-def _env_limit(var: str) -> float | None:
-    """Bytes the environment variable ``var`` sets in MiB, or None when it is not set.
-
-    Raises:
-        ConfigError: it is set to something other than a positive number.
-    """
-    text = os.environ.get(var)
-    if text is None or not text.strip():
-        return None
-    try:
-        mb = float(text)
-    except ValueError:
-        mb = math.nan
-    if not (mb > 0 and math.isfinite(mb)):
-        raise ConfigError(f"{var}={text!r}: expected a positive number of MiB")
-    return mb * 2**20
 
 
 def available_memory() -> tuple[float, str]:
@@ -653,7 +635,7 @@ def gpu_memory(index: int) -> tuple[float, str]:
     Raises:
         ConfigError: ``MPIFL_GPU_MEMORY_LIMIT_MB`` is not a positive number.
     """
-    limit = _env_limit(GPU_LIMIT_VAR)
+    limit = env_limit(GPU_LIMIT_VAR)
     if limit is not None:
         return limit, GPU_LIMIT_VAR
     free, _ = torch.cuda.mem_get_info(index)
