@@ -83,3 +83,20 @@ def mpifl_lines(stderr: str) -> list[str]:
 
 def test_the_unchanged_job_runs(world):
     assert world.file(UNCHANGED).is_file()
+
+
+def test_a_decided_status_is_not_turned_into_143_by_the_launchers_sigterm(tmp_path):
+    """Once ``mpifl run`` has its exit status (agreed by every rank), SIGTERM is ignored for the
+    rest of the exit: srun --kill-on-bad-exit sends it to the ranks still finishing when another
+    rank has exited 2 or 3 first, and Python's finalisation puts back the default handler for
+    any signal it handled (CPython's ``_PySignal_Fini`` leaves only SIG_IGN alone), so such a
+    rank ended 143 and the job template retried a bad input."""
+    import subprocess
+    import sys
+
+    script = ("import signal, sys; from mpifl.__main__ import entry; status = entry(); "
+              "print(signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, status)")
+    proc = subprocess.run([sys.executable, "-c", script, "run", str(tmp_path / "missing.toml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["True", "2"], proc.stderr[-2000:]
+    assert len(mpifl_lines(proc.stderr)) == 1, proc.stderr  # the bad input's one line
