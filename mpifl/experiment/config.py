@@ -103,7 +103,8 @@ class RunConfig(_Section):
     """Seconds a rank may spend in MPI_Init (every rank waits there for all the others) before
     the job ends with one line naming the ranks that did not reach it (mpifl.runtime.init_watch),
     which a SLURM job then launches again; 0 = forever, else at least 5. Above the spread of the
-    ranks' start-up times (imports on a slow disk)."""
+    ranks' start-up times (imports on a slow disk). On one node, MPI_Init is also ended 30 s
+    after the last rank arrived (a broken PMI exchange, slurm/README.md)."""
     setup_timeout_s: SetupBound = 180.0
     """Seconds a rank waits for the others at each step of set-up (plugins, config, data, model,
     checkpoint) before ending every rank with status 2, rank 0 naming the ranks that did not

@@ -15,6 +15,11 @@ the waiting ranks cannot ask each other who is missing. Two small things answer 
   runs on this node; else those that arrived here. Then it ends its rank with SIGKILL and the
   launcher ends the rest; it holds the claim until the node's other ranks are gone, so a
   watchdog that fires later stays quiet too.
+* **The exchange bound.** When every rank of the job runs on this node, the watchdog also sees
+  the moment the last one arrives: from then on MPI_Init is only the launcher's PMI exchange,
+  which takes well under a second, so one that has not finished :data:`EXCHANGE_S` later has
+  broken (seen under ``srun --mpi=pmi2``, slurm/README.md) and the watchdog fires then, not at
+  ``run.init_timeout_s``: a SLURM job's next launch starts minutes sooner.
 
 Without a known agent (a wrapper script between the launcher and Python, another OS) the line
 says only that this rank waited.
@@ -36,6 +41,11 @@ from mpifl.runtime.installs import rank_ranges
 
 #: process names of the launchers' per-node agents (MPICH, SLURM, Open MPI / PRRTE)
 AGENTS = ("hydra_pmi_proxy", "slurmstepd", "prted", "orted", "prterun", "mpirun", "mpiexec")
+#: seconds MPI_Init may take after the last rank of a one-node job arrived: its PMI exchange
+#: alone, under a second even on a loaded 2-core machine, so this only bounds a broken one
+EXCHANGE_S = 30.0
+#: seconds between the watchdog's looks at the arrival marks
+LOOK_S = 1.0
 
 
 def launcher_agent(pid: int | None = None) -> int | None:
@@ -94,15 +104,18 @@ def arrived(agent: int, size: int) -> list[int]:
 
 
 def message(rank: int, size: int, timeout_s: float, here: list[int] | None,
-            node_size: int | None) -> str:
+            node_size: int | None, exchange_s: float | None = None) -> str:
     """The watchdog's line (without ``mpifl: error:``).
 
     Args:
         rank: the rank whose watchdog fired; size: ranks in the job.
         here: the ranks whose arrival mark is up on this node (None: marks unavailable).
         node_size: ranks the launcher started on this node (None: not known).
+        exchange_s: the exchange bound, when that is the one that passed (None: the timeout).
     """
     bound = f"run.init_timeout_s = {timeout_s:g} s"
+    if exchange_s is not None:
+        bound = f"{exchange_s:g} s of the last rank's arrival"
     tail = ("; ending the job (start it again; a larger run.init_timeout_s helps when ranks "
             "start slowly)")
     if here is not None and node_size == size:
@@ -145,19 +158,47 @@ def start(timeout_s: float, rank: int, size: int, agent: int | None
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
 
-def _watch(pid: int, timeout_s: float, rank: int, size: int, agent: int | None) -> None:
-    """The watchdog: end process ``pid`` if its MPI_Init takes more than ``timeout_s``."""
-    if select.select([sys.stdin], [], [], timeout_s)[0]:
+def _watch(pid: int, timeout_s: float, rank: int, size: int, agent: int | None,
+           exchange_s: float = EXCHANGE_S) -> None:
+    """The watchdog: end process ``pid`` if its MPI_Init takes more than ``timeout_s``, or more
+    than ``exchange_s`` after every rank of a one-node job arrived."""
+    bound = _wait_for_init(timeout_s, size, agent, exchange_s)
+    if bound is None:
         return  # MPI_Init returned (stdin closed), or the rank died
     report = mark_arrival(agent, -1) if agent is not None else None  # -1: the node's report
     if agent is None or report is not None:  # the first watchdog of the node to fire speaks
         here = arrived(agent, size) if agent is not None else None
-        line = message(rank, size, timeout_s, here, launched_node_size())
+        line = message(rank, size, timeout_s, here, launched_node_size(),
+                       exchange_s if bound == "exchange" else None)
         sys.stderr.write(f"mpifl: error: {line}\n")
         sys.stderr.flush()
     os.kill(pid, signal.SIGKILL)
     if report is not None and agent is not None:  # a report implies an agent
         _hold(report, agent, size)
+
+
+def _wait_for_init(timeout_s: float, size: int, agent: int | None, exchange_s: float
+                   ) -> str | None:
+    """Wait until standard input closes (MPI_Init returned: None) or a bound passes: "init"
+    (``timeout_s``) or "exchange" (``exchange_s`` after every rank's mark was up)."""
+    start = time.monotonic()
+    one_node = agent is not None and launched_node_size() == size
+    all_since = None  # when every rank's mark was first seen up
+    while True:
+        now = time.monotonic()
+        left = timeout_s - (now - start)
+        if left <= 0:
+            return "init"
+        if all_since is not None and exchange_s - (now - all_since) <= 0:
+            return "exchange"
+        if all_since is not None:
+            left = min(left, exchange_s - (now - all_since))
+        look = min(left, LOOK_S) if one_node and all_since is None else left
+        if select.select([sys.stdin], [], [], look)[0]:
+            return None
+        if one_node and all_since is None and agent is not None \
+                and len(arrived(agent, size)) == size:
+            all_since = time.monotonic()
 
 
 def _hold(report: socket.socket, agent: int, size: int, grace_s: float = 2.0,

@@ -74,6 +74,61 @@ def test_the_watchdog_lines():
         "this node rank(s) 0-1 arrived of 2: one of them did not reach MPI_Init")
     assert message(2, 3, 5, None, 3).startswith(
         "rank 2 waited run.init_timeout_s = 5 s in MPI_Init for the other ranks (0-1): one of them")
+    # every rank arrived and the exchange bound passed first
+    assert message(0, 2, 120, [0, 1], 2, exchange_s=30).startswith(
+        "MPI_Init did not finish within 30 s of the last rank's arrival although every rank "
+        "(0-1) reached it: the launcher's PMI exchange broke")
+
+
+def _watchdog(victim: int, agent: int, timeout_s: float, exchange_s: float):
+    """The watchdog of process ``victim``, a rank of 2 on one SLURM node whose launcher's agent
+    is ``agent``, as :func:`mpifl.runtime.init_watch.start` runs it (its stdin open)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MPI_LOCALNRANKS",
+                                                            "OMPI_COMM_WORLD_LOCAL_SIZE")}
+    code = ("import sys; from mpifl.runtime.init_watch import _watch; "
+            f"_watch({victim}, {timeout_s}, 0, 2, {agent}, {exchange_s})")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**env, "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "2"})
+
+
+@pytest.mark.parametrize("ranks_up", [(0, 1), (0,)], ids=["every rank arrived", "rank 1 missing"])
+def test_a_hung_exchange_ends_the_rank_soon_after_the_last_arrival(ranks_up):
+    """Every rank's mark up and MPI_Init still waiting: the watchdog fires 1 s after it saw
+    the last arrival, not at run.init_timeout_s (60 s here); with rank 1 missing it waits for
+    the timeout (3 s here) and names rank 1. Real processes, real abstract sockets."""
+    import signal
+    import subprocess
+    import time
+
+    victim = subprocess.Popen(["sleep", "600"])  # a rank stuck in MPI_Init
+    agent = victim.pid  # any number the marks and the watchdog agree on
+    marks = [mark_arrival(agent, r) for r in ranks_up]
+    timeout_s = 60.0 if len(ranks_up) == 2 else 3.0
+    t0 = time.monotonic()
+    watchdog = _watchdog(victim.pid, agent, timeout_s, exchange_s=1.0)
+    try:
+        assert victim.wait(timeout=30) == -signal.SIGKILL
+        took = time.monotonic() - t0
+        for m in marks:  # the other ranks end with it (the watchdog holds its report till then)
+            m.close()
+        _, err = watchdog.communicate(timeout=60)
+    finally:
+        victim.kill()
+        watchdog.kill()
+        for m in marks:
+            m.close()
+    if len(ranks_up) == 2:
+        assert took < 20, took  # 1 s after the marks were seen; the timeout was 60 s
+        assert err.startswith("mpifl: error: MPI_Init did not finish within 1 s of the last "
+                              "rank's arrival although every rank (0-1) reached it"), err
+    else:
+        assert took >= 3, took
+        assert err.startswith("mpifl: error: rank(s) 1 did not reach MPI_Init within "
+                              "run.init_timeout_s = 3 s"), err
 
 
 # --------------------------------------------------------------------------- real launches
