@@ -21,10 +21,11 @@ from pathlib import Path
 
 PY = sys.executable
 #: pytest for the tiers: the in-process one on every core (a module's fixtures built once per
-#: worker with --dist loadfile); the real-rank one two files at a time: most of its time is
-#: spent waiting (for a kill point, a timeout, a SLURM daemon), and a file's tests stay in order
+#: worker with --dist loadfile); the real-rank one three files at a time: much of its time is
+#: spent waiting (for a kill point, a timeout, a SLURM daemon), which a third file fills
+#: (CONTRIBUTING.md, "Budget", has the figures), and a file's tests stay in order
 IN_PROCESS = [PY, "-m", "pytest", "-q", "-n", "auto", "--dist", "loadfile"]
-REAL_RANKS = [PY, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile"]
+REAL_RANKS = [PY, "-m", "pytest", "-q", "-n", "3", "--dist", "loadfile"]
 
 #: (tier, commands, budget in seconds on a 2-core machine)
 TIERS = {

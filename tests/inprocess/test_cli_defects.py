@@ -15,7 +15,6 @@ import pytest
 from mpifl.cli import build_parser, main
 from mpifl.core.errors import ConfigError
 from mpifl.experiment.naming import default_out
-from mpifl.sweep.seeds import parse_seeds
 from tests.helpers import small_fmnist_job, write_fmnist_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,20 +88,6 @@ def test_seeds_runs_one_sweep_run_per_seed(job, tmp_path, capsys):
     stamps = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.h5")}
     assert main(["run", str(job), "--seeds", "0-1,4", *sets, "--out", str(out)]) == 0
     assert stamps == {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.h5")}  # none re-run
-
-
-@pytest.mark.parametrize("text,seeds", [("0-4", [0, 1, 2, 3, 4]), ("0,2,5", [0, 2, 5]),
-                                        ("7,", [7]), ("3", [0, 1, 2]), ("0-1, 9", [0, 1, 9])])
-def test_parse_seeds(text, seeds):
-    assert parse_seeds(text) == seeds
-
-
-@pytest.mark.parametrize("text", ["4-0", "a", "1,1", "-1", ""])
-def test_bad_seeds_are_one_line_errors(text, job, capsys):
-    with pytest.raises(ConfigError):
-        parse_seeds(text)
-    assert main(["run", str(job), "--seeds", text]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_seeds_refuses_overwrite_and_mpi(job, capsys, monkeypatch):

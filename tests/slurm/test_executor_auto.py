@@ -16,7 +16,7 @@ import pytest
 from tests.helpers import free_port_pair
 from tests.inprocess.test_executor_auto import env_with, mpifl, write_sweep
 from tests.inprocess.test_executor_auto import slurm_commands  # noqa: F401 (autouse fixture)
-from tests.slurm.test_slurm import SCRIPT
+from tests.slurm.test_slurm import ONE_NODE_FABRIC, SCRIPT
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def cluster_env(tmp_path_factory):
         pytest.fail(f"missing {missing}: make slurm-deps (apt-get install slurmctld slurmd munge)")
     folder = tmp_path_factory.mktemp("slurm-auto")
     env = env_with(str(folder / "etc" / "slurm.conf"), MPIFL_SLURM_DIR=str(folder),
-                   MPIFL_SLURM_PORT=str(free_port_pair()))
+                   MPIFL_SLURM_PORT=str(free_port_pair()), **ONE_NODE_FABRIC)
 
     def sh(*args, check=True):
         proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,

@@ -31,16 +31,22 @@ import pytest
 from mpifl.core.errors import EXIT_PEER_LOST
 from tests.world import world_run
 from tests.helpers import free_port_pair, mpiexec, small_fmnist_job, write_fmnist_job
-from tests.slurm.test_slurm import SCRIPT
+from tests.slurm.test_slurm import ONE_NODE_FABRIC, SCRIPT
 
 pytestmark = pytest.mark.slurm  # starts the SLURM cluster: one at a time (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def host_environ() -> dict[str, str]:
+    """This process's environment without the one-node cluster's loopback-only libfabric
+    (tests/slurm/test_slurm.py sets it for the session): these nodes talk over their bridge."""
+    return {k: v for k, v in os.environ.items() if k not in ONE_NODE_FABRIC}
+
+
 def run(*cmd, timeout: float = 180, check: bool = True, **env) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1",
+                          timeout=timeout, env={**host_environ(), "OMP_NUM_THREADS": "1",
                                                 "PYTHONUNBUFFERED": "1", **env})
     if check:
         assert proc.returncode == 0, f"{cmd}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"
@@ -195,7 +201,7 @@ additional = {{no_kill = true}}
         proc = subprocess.Popen(
             [sys.executable, "-m", "mpifl", "sweep", str(sweep), "--executor", "slurm", "--out",
              str(folder), "--wait"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
+            text=True, env={**host_environ(), **env, "OMP_NUM_THREADS": "1"})
         runs = folder / "runs"
         deadline = time.monotonic() + 120
         while not list(runs.glob("*.h5")) and time.monotonic() < deadline:
@@ -225,7 +231,7 @@ def test_a_hung_worker_ends_the_job_within_the_timeout(job, one_node, tmp_path):
     cmd = [mpiexec(), "-n", "3", sys.executable, "-m", "mpifl", "run", str(job), "--out", str(out),
            "--no-progress", "--set", "run.rounds=400", "--set", "run.peer_timeout_s=3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**host_environ(), "OMP_NUM_THREADS": "1"})
     ckpt = out.with_name(out.name + ".ckpt")
     deadline = time.monotonic() + 120
     while not list(ckpt.glob("round-00000[3-9].h5")) and time.monotonic() < deadline:

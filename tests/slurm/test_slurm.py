@@ -32,6 +32,12 @@ SCRIPT = ROOT / "slurm" / "local-cluster.sh"
 SMOKE = ROOT / "jobs" / "sweep-smoke.toml"
 RUNS = ["fedavg_seed0", "fedavg_seed1", "fedfv_alpha0.1_tau1_seed0", "fedfv_alpha0.1_tau1_seed1"]
 ROUNDS = 20  # run.rounds of the smoke sweep
+#: libfabric (the netmod srun's ranks use, mpifl/sweep/netmod.py) on the loopback device: its
+#: "sockets" provider otherwise takes the newest interface as its NIC, which can be the bridge
+#: of tests/slurm/test_multinode.py's nodes, running beside this cluster on another pytest
+#: worker; a rank's sends then fail ("OFI call tsenddata failed (default nic=mpiflbr0)") or
+#: MPI_Init hangs when that test takes its bridge down (slurm/README.md, "MPI_Init under srun")
+ONE_NODE_FABRIC = {"FI_SOCKETS_IFACE": "lo", "FI_TCP_IFACE": "lo"}
 
 
 def env() -> dict[str, str]:
@@ -59,9 +65,10 @@ def cluster(tmp_path_factory):
     if missing:
         pytest.fail(f"missing {missing}: make slurm-deps (apt-get install slurmctld slurmd munge)")
     folder = tmp_path_factory.mktemp("slurm")
-    saved = {k: os.environ.get(k) for k in ("MPIFL_SLURM_DIR", "MPIFL_SLURM_PORT", "SLURM_CONF")}
+    saved = {k: os.environ.get(k) for k in ("MPIFL_SLURM_DIR", "MPIFL_SLURM_PORT", "SLURM_CONF",
+                                            *ONE_NODE_FABRIC)}
     os.environ.update(MPIFL_SLURM_DIR=str(folder), MPIFL_SLURM_PORT=str(free_port_pair()),
-                      SLURM_CONF=str(folder / "etc" / "slurm.conf"))
+                      SLURM_CONF=str(folder / "etc" / "slurm.conf"), **ONE_NODE_FABRIC)
     try:
         sh("bash", SCRIPT, "up")
         yield folder
