@@ -139,30 +139,9 @@ def pytest_collection_modifyitems(config, items):
     if misplaced:
         items[:] = [item for item in items if item.nodeid not in misplaced]
     # the files that read the world last: pytest-xdist hands out files in this order, so its
-    # workers run every other file while the world's ranks make the runs, instead of waiting;
-    # the SLURM files first: they are one unit of work, the longest (pytest_xdist_make_scheduler)
+    # workers run every other file while the world's ranks make the runs, instead of waiting
     readers = {item.path for item in items if "world" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: (SLURM_UNIT not in item.nodeid, item.path in readers))  # stable
-
-
-#: the SLURM test files, handed to one pytest-xdist worker as one unit (run one after another)
-SLURM_UNIT = "tests/slurm/"
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile``, with the SLURM files as one unit: the one-node clusters' jobs were
-    seen to hang in MPI_Init (2 to 4 launches a run) only while the multi-node tests ran their
-    namespace nodes beside them on another worker, never alone (slurm/README.md)."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class SlurmTogether(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return SLURM_UNIT if nodeid.startswith(SLURM_UNIT) else super()._split_scope(nodeid)
-
-    return SlurmTogether(config, log)
+    items.sort(key=lambda item: item.path in readers)  # stable: each file's order is kept
 
 
 def _shared_folder(config) -> Path:

@@ -34,10 +34,9 @@ RUNS = ["fedavg_seed0", "fedavg_seed1", "fedfv_alpha0.1_tau1_seed0", "fedfv_alph
 ROUNDS = 20  # run.rounds of the smoke sweep
 #: libfabric (the netmod srun's ranks use, mpifl/sweep/netmod.py) on the loopback device: its
 #: "sockets" provider otherwise takes the newest interface as its NIC, which can be the bridge
-#: of tests/slurm/test_multinode.py's nodes should that file run beside this one (tests/
-#: conftest.py keeps the SLURM files on one worker); a rank's sends then fail ("OFI call
-#: tsenddata failed (default nic=mpiflbr0)") when that test takes its bridge down (slurm/
-#: README.md, "MPI_Init under srun")
+#: of tests/slurm/test_multinode.py's nodes, running beside this cluster on another pytest
+#: worker; a rank's sends then fail ("OFI call tsenddata failed (default nic=mpiflbr0)") or
+#: MPI_Init hangs when that test takes its bridge down (slurm/README.md, "MPI_Init under srun")
 ONE_NODE_FABRIC = {"FI_SOCKETS_IFACE": "lo", "FI_TCP_IFACE": "lo"}
 
 
