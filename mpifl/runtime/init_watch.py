@@ -20,6 +20,11 @@ the waiting ranks cannot ask each other who is missing. Two small things answer 
   which takes well under a second, so one that has not finished :data:`EXCHANGE_S` later has
   broken (seen under ``srun --mpi=pmi2``, slurm/README.md) and the watchdog fires then, not at
   ``run.init_timeout_s``: a SLURM job's next launch starts minutes sooner.
+* **SIGTERM while in MPI_Init.** A rank's own handler cannot run while MPI_Init holds the
+  interpreter, so a rank stuck there would outlive the job's end until the launcher's SIGKILL
+  (SLURM: ``KillWait`` later, 30 s or more). The watchdog gets the same SIGTERM (SLURM signals
+  every process of the step), gives MPI_Init :data:`TERM_GRACE_S` to return (a rank that gets
+  out acts on the signal itself: checkpoint, status 3) and ends it otherwise.
 
 Without a known agent (a wrapper script between the launcher and Python, another OS) the line
 says only that this rank waited.
@@ -46,6 +51,16 @@ AGENTS = ("hydra_pmi_proxy", "slurmstepd", "prted", "orted", "prterun", "mpirun"
 EXCHANGE_S = 30.0
 #: seconds between the watchdog's looks at the arrival marks
 LOOK_S = 1.0
+#: seconds a rank may stay in MPI_Init after a SIGTERM to the watchdog
+TERM_GRACE_S = 5.0
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the watchdog."""
+
+
+def _on_term(_signum: int, _frame: object) -> None:
+    raise _Terminated
 
 
 def launcher_agent(pid: int | None = None) -> int | None:
@@ -162,7 +177,15 @@ def _watch(pid: int, timeout_s: float, rank: int, size: int, agent: int | None,
            exchange_s: float = EXCHANGE_S) -> None:
     """The watchdog: end process ``pid`` if its MPI_Init takes more than ``timeout_s``, or more
     than ``exchange_s`` after every rank of a one-node job arrived."""
-    bound = _wait_for_init(timeout_s, size, agent, exchange_s)
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        bound = _wait_for_init(timeout_s, size, agent, exchange_s)
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not select.select([sys.stdin], [], [], TERM_GRACE_S)[0]:
+            os.kill(pid, signal.SIGKILL)  # still in MPI_Init: it cannot act on the signal
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # from here it ends the rank anyway
     if bound is None:
         return  # MPI_Init returned (stdin closed), or the rank died
     report = mark_arrival(agent, -1) if agent is not None else None  # -1: the node's report

@@ -150,3 +150,34 @@ def test_an_unreachable_init_bound_is_refused_on_every_rank(world):
         "mpifl: error: run.init_timeout_s: must be 0 (no bound) or at least 5 s: ranks take "
         "seconds to start, so a shorter bound ends every launch (got 0.001)"]
     assert not world.path("timeouts-short-init.h5").exists()
+
+
+@pytest.mark.parametrize("init_returns", [False, True], ids=["stuck", "returns in time"])
+def test_sigterm_in_mpi_init_ends_a_stuck_rank_after_the_grace(init_returns):
+    """SIGTERM to the step while a rank waits in MPI_Init: the watchdog ends the rank
+    TERM_GRACE_S later unless MPI_Init returns first (its stdin closes), instead of leaving it
+    to the launcher's SIGKILL. Real processes and signals."""
+    import signal
+    import subprocess
+    import time
+
+    from mpifl.runtime.init_watch import TERM_GRACE_S
+
+    victim = subprocess.Popen(["sleep", "600"])
+    watchdog = _watchdog(victim.pid, victim.pid, timeout_s=600, exchange_s=600)
+    try:
+        time.sleep(2)  # the watchdog has started and installed its handler
+        t0 = time.monotonic()
+        watchdog.send_signal(signal.SIGTERM)
+        if init_returns:
+            time.sleep(1)
+            watchdog.stdin.close()  # MPI_Init returned within the grace
+            assert watchdog.wait(timeout=30) == 0
+            assert victim.poll() is None  # left to act on the signal itself
+        else:
+            assert victim.wait(timeout=30) == -signal.SIGKILL
+            assert TERM_GRACE_S <= time.monotonic() - t0 < TERM_GRACE_S + 10
+            assert watchdog.wait(timeout=30) == 0
+    finally:
+        victim.kill()
+        watchdog.kill()
