@@ -2,7 +2,7 @@
 
 Every rank waits in ``MPI_Init`` until all have entered it, and nothing can be exchanged over
 MPI before it returns. So a rank that hangs or fails before it leaves the others waiting, and
-the waiting ranks cannot ask each other who is missing. Two small things answer that on a node:
+the waiting ranks cannot ask each other who is missing. These answer that on a node:
 
 * **Arrival marks.** A rank entering MPI_Init listens on an abstract Unix socket (Linux; no
   file) named after the launcher's agent on this node — the ``hydra_pmi_proxy``, ``slurmstepd``
