@@ -28,6 +28,11 @@ DIR=${MPIFL_SLURM_DIR:-/tmp/mpifl-slurm}
 PORT=${MPIFL_SLURM_PORT:-16817}
 PARTITION=${MPIFL_SLURM_PARTITION:-debug}
 CPUS=${MPIFL_SLURM_CPUS:-$(nproc)}
+# Job ids start somewhere new at each fresh cluster: MPICH names its shared-memory segments
+# after the step (/dev/shm/mpich_shm_*), and a rank killed in a step leaves its segment; a
+# later cluster that numbered its jobs from 1 again hung in MPI_Init in the steps whose
+# numbers matched (slurm/README.md, "MPI_Init under srun")
+FIRST_JOB_ID=$(( $(date +%s) % 50000000 + 1000 ))
 HOST=$(hostname -s)
 CONF=$DIR/etc/slurm.conf
 SOCKET=$DIR/munge/munge.socket.2
@@ -105,6 +110,7 @@ InactiveLimit=0
 KillWait=30
 MinJobAge=300
 JobRequeue=1
+FirstJobId=$FIRST_JOB_ID
 $gres_types
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$mem $gres_line State=UNKNOWN
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -191,6 +197,7 @@ InactiveLimit=0
 KillWait=30
 MinJobAge=300
 JobRequeue=1
+FirstJobId=$FIRST_JOB_ID
 EOF
     for ((i = 1; i <= n; i++)); do
         echo "NodeName=mpifl-n$i NodeAddr=$NET.$((10 + i)) CPUs=$CPUS RealMemory=$mem State=UNKNOWN" >>"$CONF"
